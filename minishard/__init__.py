@@ -1,0 +1,13 @@
+"""minishard: SyncBatchNorm and ZeRO-1/2/3 from raw torch.distributed collectives.
+
+Public names only; see the modules for the story:
+  comm.py     the one door to collectives, and the Ledger that counts their bytes
+  syncbn.py   SyncBatchNorm (autograd Function + module) and convert/revert helpers
+  flat.py     FlatBuffer: a unit's parameters as views of one padded 1-D buffer
+  zero.py     the ZeRO engine, stages 0-3
+  testing.py  RankPool: warm gloo ranks for tests
+"""
+from minishard import comm
+from minishard.comm import ledger
+
+__all__ = ["comm", "ledger"]

@@ -1,0 +1,227 @@
+"""The one door to ``torch.distributed`` collectives.
+
+Every collective minishard issues goes through a function in this module. That buys three things:
+
+1. One place to hide differences between torch versions and backends (the ``*_single`` names that
+   torch 2.13 prefers over ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; averaging on a
+   backend that only sums).
+2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
+   issues is recorded with its op, dtype, element count, group size and the bytes this rank sends
+   under the ring cost model below. Tests assert those bytes exactly against the ZeRO formulas.
+3. One place a reader has to look to know when ranks talk to each other.
+
+Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` = group size)::
+
+    all_reduce      2 (N-1)/N * S     reduce-scatter pass, then all-gather pass
+    all_gather        (N-1)/N * S     S = bytes of the gathered (output) tensor
+    reduce_scatter    (N-1)/N * S     S = bytes of the full (input) tensor
+    broadcast         (N-1)/N * S     pipelined chain: N-1 of the N ranks forward S
+
+    why all_reduce = reduce_scatter + all_gather:
+      rank:       0      1      2           0      1      2           0      1      2
+      in       [a0 a1 a2][b0 b1 b2][c0..]  ->  [Σ0]   [Σ1]   [Σ2]  ->  [Σ0 Σ1 Σ2] everywhere
+                            reduce_scatter              all_gather
+
+Each function takes ``group`` (``None`` = the default process group) and ``async_op``. With
+``async_op=True`` it returns a :class:`Handle`; call ``.wait()`` before reading the result.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from fractions import Fraction
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
+    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes",
+]
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --------------------------------------------------------------------------------------- ledger
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One collective as seen by this rank."""
+    op: str              # "all_reduce" | "all_gather" | "reduce_scatter" | "broadcast"
+    dtype: torch.dtype
+    numel: int           # elements of the FULL tensor (output of all_gather, input of reduce_scatter)
+    group_size: int
+    bytes_sent: Fraction  # under the ring cost model; a Fraction so sums stay exact
+    tag: str = ""        # who asked: a SyncBN layer, a ZeRO unit, ...
+
+
+_RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
+
+
+def ring_bytes(op: str, full_bytes: int, group_size: int) -> Fraction:
+    """Bytes one rank sends for ``op`` on a tensor of ``full_bytes`` bytes (see the module doc)."""
+    return Fraction(_RING_FACTOR[op] * (group_size - 1) * full_bytes, group_size)
+
+
+class Ledger:
+    """The list of collectives issued on this rank inside a ``with ledger():`` block."""
+
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+
+    def total_bytes(self, op: str | None = None) -> Fraction:
+        return sum((e.bytes_sent for e in self.entries if op is None or e.op == op), Fraction(0))
+
+    def count(self, op: str | None = None) -> int:
+        return sum(1 for e in self.entries if op is None or e.op == op)
+
+    def numel(self, op: str | None = None) -> int:
+        return sum(e.numel for e in self.entries if op is None or e.op == op)
+
+    def table(self) -> str:
+        """A readable summary: one row per (op, dtype, group size, tag), with counts and bytes."""
+        rows: dict[tuple, list] = {}
+        for e in self.entries:
+            key = (e.op, str(e.dtype).replace("torch.", ""), e.group_size, e.tag)
+            row = rows.setdefault(key, [0, 0, Fraction(0)])
+            row[0] += 1
+            row[1] += e.numel
+            row[2] += e.bytes_sent
+        head = f"{'op':<15}{'dtype':<10}{'N':>3}  {'calls':>6}{'elements':>12}{'bytes sent':>14}  tag"
+        lines = [head, "-" * len(head)]
+        for (op, dt, n, tag), (calls, numel, sent) in rows.items():
+            lines.append(f"{op:<15}{dt:<10}{n:>3}  {calls:>6}{numel:>12}{float(sent):>14.0f}  {tag}")
+        lines.append(f"{'total':<28}  {len(self.entries):>6}{'':>12}{float(self.total_bytes()):>14.0f}")
+        return "\n".join(lines)
+
+
+_open_ledgers: list[Ledger] = []
+
+
+@contextlib.contextmanager
+def ledger() -> Iterator[Ledger]:
+    """Record every collective this rank issues inside the block. Ledgers nest."""
+    led = Ledger()
+    _open_ledgers.append(led)
+    try:
+        yield led
+    finally:
+        _open_ledgers.remove(led)
+
+
+def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str) -> None:
+    if not _open_ledgers:
+        return
+    full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
+    entry = Entry(op, dtype, tensor_numel, n, ring_bytes(op, full_bytes, n), tag)
+    for led in _open_ledgers:
+        led.entries.append(entry)
+
+
+# ------------------------------------------------------------------------------------ groups
+def group_size(group=None) -> int:
+    return dist.get_world_size(group)
+
+
+def group_rank(group=None) -> int:
+    return dist.get_rank(group)
+
+
+def check_member(group, who: str) -> None:
+    """Raise a clear error if this rank is not in ``group`` (a collective there would never return)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment for it).")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{who}: this rank (global rank {dist.get_rank()}) is not a member of the process group "
+            "it was given. Pass a group that contains this rank, or do not call it on this rank.")
+
+
+# ------------------------------------------------------------------------------------ handles
+class Handle:
+    """What an async collective returns. ``wait()`` blocks until the result is in place."""
+
+    def __init__(self, work=None, then=None) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _finish(work, async_op: bool, then=None):
+    handle = Handle(work, then)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+# -------------------------------------------------------------------------------- collectives
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
+               tag: str = ""):
+    """In place: ``tensor`` becomes the sum (``op="sum"``), mean (``"avg"``) or max (``"max"``)
+    over the group.
+
+    "avg" is done as SUM followed by a division on every backend: gloo and NCCL both give the same
+    numbers that way, and older gloo builds have no AVG.
+    """
+    n = group_size(group)
+    _record("all_reduce", tensor.numel(), tensor.dtype, n, tag)
+    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    work = dist.all_reduce(tensor, op=red, group=group, async_op=async_op) if n > 1 else None
+    then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
+    return _finish(work, async_op, then)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
+               tag: str = ""):
+    """``output`` (N * shard.numel() elements) becomes the concatenation of every rank's ``shard``,
+    in rank order."""
+    n = group_size(group)
+    if output.numel() != n * shard.numel():
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{n} ranks x {shard.numel()}")
+    _record("all_gather", output.numel(), output.dtype, n, tag)
+    if n == 1:
+        output.copy_(shard.view_as(output))
+        return _finish(None, async_op)
+    work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", group=None,
+                   async_op: bool = False, tag: str = ""):
+    """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the sum (or mean, ``op="avg"``)
+    of every rank's ``full``."""
+    n = group_size(group)
+    if full.numel() != n * shard.numel():
+        raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
+                         f"{n} ranks x {shard.numel()}")
+    _record("reduce_scatter", full.numel(), full.dtype, n, tag)
+    if n == 1:
+        shard.copy_(full.view_as(shard))
+        return _finish(None, async_op)
+    work = _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    then = (lambda: shard.div_(n)) if op == "avg" else None
+    return _finish(work, async_op, then)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
+              tag: str = ""):
+    """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
+    n = group_size(group)
+    _record("broadcast", tensor.numel(), tensor.dtype, n, tag)
+    if n == 1:
+        return _finish(None, async_op)
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    work = dist.broadcast(tensor, src=global_src, group=group, async_op=async_op)
+    return _finish(work, async_op)
