@@ -148,6 +148,7 @@ class Handle:
     def __init__(self, work=None, then=None) -> None:
         self._work, self._then = work, then
 
+    @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
@@ -166,6 +167,7 @@ def _finish(work, async_op: bool, then=None):
 
 
 # -------------------------------------------------------------------------------- collectives
+@torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
                tag: str = ""):
     """In place: ``tensor`` becomes the sum (``op="sum"``), mean (``"avg"``) or max (``"max"``)
@@ -182,6 +184,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     return _finish(work, async_op, then)
 
 
+@torch.no_grad()
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
                tag: str = ""):
     """``output`` (N * shard.numel() elements) becomes the concatenation of every rank's ``shard``,
@@ -198,6 +201,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     return _finish(work, async_op)
 
 
+@torch.no_grad()
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False, tag: str = ""):
     """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the sum (or mean, ``op="avg"``)
@@ -215,6 +219,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     return _finish(work, async_op, then)
 
 
+@torch.no_grad()
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
               tag: str = ""):
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""

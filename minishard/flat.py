@@ -1,0 +1,190 @@
+"""FlatBuffer: one unit's parameters as views into one padded 1-D buffer, and this rank's shard of it.
+
+The layout, for parameters a (3x2), b (3), c (5) and a group of 4 ranks::
+
+    full  = [a a a a a a b b b c c c c c | pad pad]      numel 14, padded to 16 = 4 ranks x k=4
+             0           6     9          14    16
+    rank 0 owns full[0:4]    a a a a
+    rank 1 owns full[4:8]    a a b b
+    rank 2 owns full[8:12]   b c c c
+    rank 3 owns full[12:16]  c c | pad pad   -> its shard Parameter holds only the 2 real elements
+
+  * ``full`` is a leaf tensor; while it is gathered, the module's ``a``, ``b``, ``c`` are
+    ``torch.split`` views of it, so autograd sums their gradients into ``full.grad`` in one
+    concatenation (one flat gradient per unit, ready to reduce in one collective).
+  * ``shard`` is the ``nn.Parameter`` the optimizer sees: this rank's slice, *without* padding, so
+    padding never reaches the optimizer's math, a norm or a state dict. Collectives need equal
+    sizes on every rank, so they move the padded slice (``k`` elements); padding stays zero.
+
+Where the tensors live depends on how the engine asks for the buffer (see zero.py's stage table):
+
+    mode      full params              shard Parameter                        optimizer sees
+    "none"    always (it IS the param)  full itself, unpadded                  the whole flat
+    "view"    always                    a view of full's own slice (no copy)   the shard
+    "own"     only while gathered       its own storage, padded to k           the shard
+
+``mixed precision`` (``param_dtype``): full is kept in the compute dtype and the shard is an fp32
+master copy with storage of its own; gathers send the shard cast to ``param_dtype``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from minishard import comm
+
+__all__ = ["FlatBuffer"]
+
+
+class FlatBuffer:
+    def __init__(self, params: list[torch.Tensor], group=None, *, mode: str = "own",
+                 param_dtype: torch.dtype | None = None, name: str = "") -> None:
+        assert mode in ("none", "view", "own"), mode
+        self.group, self.mode, self.name = group, mode, name
+        self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        first = params[0]
+        self.dtype = first.dtype                                  # the master (shard) dtype
+        self.param_dtype = param_dtype or first.dtype             # what the module computes in
+        self.requires_grad = first.requires_grad
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.numel = sum(self.numels)
+        ranks = 1 if mode == "none" else self.world
+        self.padded_numel = math.ceil(self.numel / ranks) * ranks
+        self.shard_numel = self.padded_numel // ranks               # k: what each rank sends
+        start = 0 if mode == "none" else self.rank * self.shard_numel
+        self.shard_start = start
+        self.shard_real = max(0, min(self.shard_numel, self.numel - start))  # without padding
+
+        with torch.no_grad():
+            values = torch.zeros(self.padded_numel, dtype=self.dtype, device=first.device)
+            torch.cat([p.detach().reshape(-1) for p in params], out=values[:self.numel])
+        cast = self.param_dtype != self.dtype
+        if mode == "view" and cast:
+            mode = self.mode = "own"  # a bf16 full buffer cannot hold the fp32 master: own it
+        if mode == "none":
+            self.full = nn.Parameter(values if not cast else values.to(self.param_dtype),
+                                     requires_grad=self.requires_grad)
+            self.shard = self.full if not cast else nn.Parameter(values, self.requires_grad)
+            self._shard_padded = self.shard.data
+        elif mode == "view":
+            self.full = values.requires_grad_(self.requires_grad)
+            self._shard_padded = self.full.data[start:start + self.shard_numel]
+            self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
+        else:
+            self.full = values.to(self.param_dtype).requires_grad_(self.requires_grad)
+            self._shard_padded = values[start:start + self.shard_numel].clone()
+            self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
+        self._gathered_version = self.shard._version
+        self._pending = None  # an async gather in flight
+
+    # ------------------------------------------------------------------------------- layout
+    def views(self) -> list[torch.Tensor]:
+        """The parameters, shaped as the module expects, as views of ``full`` (autograd-aware)."""
+        pieces = torch.split(self.full, self.numels + [self.padded_numel - self.numel])
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+
+    def full_bytes(self) -> int:
+        return self.padded_numel * self.full.element_size()
+
+    # ---------------------------------------------------------------------- full param storage
+    @property
+    def is_gathered(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the shard changed (an optimizer step) since ``full`` was last gathered."""
+        return self.shard is not self.full and self.shard._version != self._gathered_version
+
+    def gather(self, async_op: bool = False) -> None:
+        """All-gather every rank's shard into ``full`` (allocating it if it was freed)."""
+        if self.mode == "none" and self.param_dtype == self.dtype:
+            return
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.full_bytes())
+        with torch.no_grad():
+            if self.mode == "none":  # mixed precision without sharding: just cast
+                self.full.data.copy_(self.shard.data)
+            else:
+                send = self._shard_padded
+                if send.dtype != self.param_dtype:
+                    send = send.to(self.param_dtype)
+                self._pending = comm.all_gather(self.full.data, send, self.group,
+                                                async_op=async_op, tag=self.name)
+        self._gathered_version = self.shard._version
+
+    def wait(self) -> None:
+        """Finish an async :meth:`gather`."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+    def free(self) -> None:
+        """Release ``full``'s storage (stage 3). Views saved by autograd keep pointing at the same
+        storage object, so the next :meth:`gather` refills them in place before backward."""
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+
+    def push_to_shard(self) -> None:
+        """Copy this rank's slice of ``full`` into the shard (after someone edited ``full``)."""
+        with torch.no_grad():
+            if self.mode != "view":  # in "view" mode the shard already IS that slice
+                sl = self.full.data[self.shard_start:self.shard_start + self.shard_real]
+                self.shard.data.copy_(sl)
+        self._gathered_version = self.shard._version
+
+    def gather_master(self) -> torch.Tensor:
+        """A new tensor with every rank's master values (``numel`` elements, no padding), in the
+        master dtype: what a state dict needs, whatever the stage or the mixed precision."""
+        if self.mode == "none":
+            return self.shard.detach()[:self.numel].clone()
+        out = torch.empty(self.padded_numel, dtype=self.dtype, device=self.shard.device)
+        comm.all_gather(out, self._shard_padded, self.group, tag=f"{self.name} (state dict)")
+        return out[:self.numel]
+
+    def load_master(self, values: torch.Tensor) -> None:
+        """Set the master values from the full, unpadded ``values`` (each rank keeps its slice)."""
+        with torch.no_grad():
+            mine = values[self.shard_start:self.shard_start + self.shard_real]
+            self.shard.copy_(mine.reshape(self.shard.shape).to(self.dtype))
+
+    # ------------------------------------------------------------------------------ gradients
+    def reduce_grad(self, async_op: bool = False, reduce_dtype: torch.dtype | None = None):
+        """Average ``full.grad`` over the ranks into ``shard.grad`` (accumulating), free it.
+
+        mode "none": an all-reduce of the whole flat gradient (DDP); otherwise a reduce-scatter,
+        after which this rank keeps only its slice. A rank that computed no gradient for this
+        buffer sends zeros: every rank must join every collective.
+        """
+        grad = self.full.grad
+        if grad is None:
+            grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.full.device)
+        self.full.grad = None
+        rdtype = reduce_dtype or grad.dtype
+        send = grad if grad.dtype == rdtype else grad.to(rdtype)
+        if self.mode == "none":
+            handle = comm.all_reduce(send, "avg", self.group, async_op=True, tag=self.name)
+            out = send
+        else:
+            out = torch.empty(self.shard_numel, dtype=rdtype, device=send.device)
+            handle = comm.reduce_scatter(out, send, "avg", self.group, async_op=True,
+                                         tag=self.name)
+
+        def land() -> None:
+            handle.wait()
+            g = out[:self.shard_real] if self.mode != "none" else out
+            g = g.to(self.dtype)
+            if self.shard.grad is None:
+                self.shard.grad = g
+            else:
+                self.shard.grad.add_(g)
+
+        result = comm.Handle(then=land)
+        if not async_op:
+            result.wait()
+            return None
+        return result

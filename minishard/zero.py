@@ -1,0 +1,448 @@
+"""The ZeRO engine: one machine, four stages.
+
+A *unit* is a module whose parameters (minus those of nested units) live in flat buffers
+(flat.py: one per dtype/requires_grad). The user builds an ordinary torch optimizer over
+``model.parameters()``, which are this rank's *shards* of those buffers. The four stages differ
+only in WHEN full tensors exist and WHEN gradients are reduced; that is this table, and nothing else:
+
+    stage  full params live        full grads live             grads reduced                optimizer sees
+    0      always (DDP)            until the step              all-reduce (avg), launched   the full flat
+                                                               per unit, awaited at the end
+    1      always                  until the end of backward   reduce-scatter, end of bwd   its shard
+    2      always                  per unit, until reduced     reduce-scatter per unit      its shard
+    3      while the unit computes per unit, until reduced     reduce-scatter per unit      its shard
+
+    after the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
+    buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed).
+
+The life of one stage-3 unit in one step (hooks registered by this module)::
+
+    pre-forward hook      all_gather shards -> full; module.weight etc. become views of full
+    forward               the module's own code, unchanged
+    post-forward hook     free full (storage resized to 0); hook the outputs' gradients
+    pre-backward hook     (fires when the gradient reaches the unit's outputs) all_gather again
+    backward              autograd sums the views' grads into full.grad (one flat gradient)
+    post-backward hook    (full.grad accumulated) reduce_scatter(avg) -> shard.grad; free full
+    end of backward       a callback queued by the first pre-backward hook waits for pending
+                          reductions and reduces any unit that got no gradient (with zeros:
+                          every rank must join every collective, in the same order)
+
+Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
+stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
+stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the element size).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_flatten
+
+from minishard import comm
+from minishard.flat import FlatBuffer
+
+__all__ = ["ZeRO", "StagePolicy", "STAGES"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePolicy:
+    flat_mode: str            # FlatBuffer mode: "none" (full is the param), "view", "own"
+    reduce_per_unit: bool     # reduce a unit's grads as soon as its backward is done (else at end)
+    free_after_forward: bool  # release full params between uses (stage 3)
+
+
+STAGES = {
+    0: StagePolicy("none", reduce_per_unit=True, free_after_forward=False),
+    1: StagePolicy("view", reduce_per_unit=False, free_after_forward=False),
+    2: StagePolicy("view", reduce_per_unit=True, free_after_forward=False),
+    3: StagePolicy("own", reduce_per_unit=True, free_after_forward=True),
+}
+
+_MAX_REDUCTIONS_IN_FLIGHT = 2  # bounds the memory of full grads waiting for their reduce-scatter
+
+
+# ----------------------------------------------------------------------------------- units
+@dataclasses.dataclass
+class _Binding:
+    """Where one flattened parameter appears in the module tree (tied params appear twice)."""
+    module: nn.Module
+    attr: str
+    fqn: str
+
+
+class Unit:
+    """One module and the flat buffers of the parameters it owns (see flat.py)."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name, self.module = name, module
+        self.flats: list[FlatBuffer] = []
+        self.bindings: list[list[list[_Binding]]] = []  # [flat][param] -> places it appears
+
+    def gather(self, engine: "ZeRO") -> None:
+        for flat in self.flats:
+            if not flat.is_gathered or flat.is_stale:
+                flat.gather()
+                engine._note_gathered()
+            else:
+                flat.wait()
+
+    def free(self, engine: "ZeRO") -> None:
+        for flat in self.flats:
+            if flat.mode == "own" and flat.is_gathered:
+                flat.free()
+        engine._note_gathered()
+
+    def bind_views(self, detached: bool = False) -> None:
+        """Point every owning module's attribute at its view of the full buffer."""
+        for flat, places in zip(self.flats, self.bindings):
+            views = flat.views() if not detached else _detached_views(flat)
+            for view, bindings in zip(views, places):
+                for b in bindings:
+                    setattr(b.module, b.attr, view)
+
+
+def _detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [v.detach() for v in flat.views()]
+
+
+def _unit_predicate(units) -> Callable[[nn.Module], bool]:
+    if units is None:
+        return lambda m: False
+    if callable(units) and not isinstance(units, type):
+        return units
+    classes = tuple(units) if isinstance(units, Iterable) else (units,)
+    return lambda m: isinstance(m, classes)
+
+
+# ------------------------------------------------------------------- global optimizer guard
+_orphans: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _refuse_orphaned_params(optimizer, args, kwargs) -> None:
+    """The classic stale-parameter bug: the optimizer was built over the module's parameters
+    BEFORE wrapping, so it updates tensors the model no longer uses. Caught at the first step."""
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _orphans:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a parameter of the module as it was BEFORE "
+                    "minishard.ZeRO wrapped it; ZeRO replaced those parameters by flat shards, so "
+                    "this optimizer would update tensors the model no longer uses. Build the "
+                    "optimizer AFTER wrapping, over the wrapper: "
+                    "opt = torch.optim.AdamW(zero_model.parameters(), ...)")
+    _checked_optimizers.add(optimizer)
+
+
+register_optimizer_step_pre_hook(_refuse_orphaned_params)
+
+
+# ------------------------------------------------------------------------------------ engine
+class ZeRO(nn.Module):
+    """Wrap ``module`` so its parameters, gradients and optimizer state are sharded by ``stage``.
+
+    Args:
+        module: the model. Its code runs unchanged; its parameters become views into gathered
+            flat buffers while it computes.
+        stage: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters).
+        units: ``None`` (the whole module is one unit), a module class or a collection of classes
+            (every matching submodule is its own unit), or a predicate ``fn(module) -> bool``.
+            A parameter belongs to the innermost unit that contains every module using it.
+        process_group: the ranks to shard over (default: all).
+
+    Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards).
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None) -> None:
+        super().__init__()
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
+        if isinstance(module, ZeRO) or any(isinstance(m, ZeRO) or getattr(m, "_minishard_unit",
+                                                                            None)
+                                           for m in module.modules()):
+            raise ValueError(
+                "ZeRO: this module (or one of its submodules) is already wrapped by minishard.ZeRO. "
+                "Wrap a module once; to change the stage, wrap a fresh copy of the original model.")
+        comm.check_member(process_group, "ZeRO")
+        self.module = module
+        self.stage, self.policy, self.group = stage, STAGES[stage], process_group
+        self.world = comm.group_size(process_group)
+        self._check_same_config_on_all_ranks()
+        self._sync_initial_state()
+        self.units = self._build_units(_unit_predicate(units))
+        self.flat_params = nn.ParameterList(
+            [flat.shard for unit in self.units for flat in unit.flats])
+        self._register_hooks()
+        # per-step bookkeeping
+        self._backward_pending = False      # the end-of-backward callback is queued
+        self._in_backward = False
+        self._reduced: set[int] = set()     # ids of flats already reduced in this backward
+        self._in_flight: list[comm.Handle] = []
+        self._gathered_bytes = 0
+        self.peak_gathered_bytes = 0
+        for unit in self.units:  # stage 3 starts sharded; the others keep full params
+            if self.policy.free_after_forward:
+                unit.free(self)
+            else:
+                unit.bind_views(detached=True)
+        self._note_gathered()
+
+    # ------------------------------------------------------------------------------ building
+    def _check_same_config_on_all_ranks(self) -> None:
+        """Ranks that disagree on the stage or the model would deadlock later in mismatched
+        collectives; compare a small fingerprint now (MAX of x and of -x gives max and min)."""
+        numel = sum(p.numel() for p in self.module.parameters())
+        mine = torch.tensor([self.stage, numel, len(list(self.module.parameters()))],
+                            dtype=torch.float64)
+        both = torch.cat([mine, -mine])
+        comm.all_reduce(both, "max", self.group, tag="ZeRO config check")
+        hi, lo = both[:3], -both[3:]
+        if not torch.equal(hi, lo):
+            raise RuntimeError(
+                f"ZeRO: ranks disagree on the configuration (stage, parameter count, number of "
+                f"parameter tensors): this rank has {mine.long().tolist()}, the ranks range from "
+                f"{lo.long().tolist()} to {hi.long().tolist()}. Every rank must wrap the same model "
+                "with the same stage.")
+
+    def _sync_initial_state(self) -> None:
+        """Rank 0's values, broadcast: every rank starts from identical parameters and buffers."""
+        with torch.no_grad():
+            for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
+                comm.broadcast(t.data, 0, self.group, tag=f"init {name}")
+
+    def _build_units(self, is_unit: Callable[[nn.Module], bool]) -> list[Unit]:
+        root = self.module
+        named = dict(root.named_modules())
+        unit_names = [""] + [n for n, m in named.items() if n and is_unit(m)]
+
+        def unit_of(module_name: str) -> str:  # the innermost unit containing this module
+            best = ""
+            for u in unit_names:
+                if u and (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
+                    best = u
+            return best
+
+        # Every place each parameter appears (tied weights appear more than once).
+        places: dict[nn.Parameter, list[_Binding]] = {}
+        for mname, m in named.items():
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    fqn = f"{mname}.{attr}" if mname else attr
+                    places.setdefault(p, []).append(_Binding(m, attr, fqn))
+
+        # A parameter goes to the innermost unit that contains ALL its users: shared weights are
+        # never split across units, and never duplicated.
+        owner: dict[nn.Parameter, str] = {}
+        for p, bindings in places.items():
+            candidates = [unit_of(b.fqn.rsplit(".", 1)[0] if "." in b.fqn else "") for b in bindings]
+            common = candidates[0]
+            for c in candidates[1:]:
+                while not (c == common or c.startswith(common + ".") or common == ""):
+                    common = unit_of(common.rsplit(".", 1)[0]) if "." in common else ""
+            owner[p] = common
+
+        units = []
+        for uname in unit_names:
+            unit = Unit(uname or "<root>", named[uname])
+            mine = [p for p in places if owner[p] == uname]
+            groups: dict[tuple, list[nn.Parameter]] = {}
+            for p in mine:
+                groups.setdefault((p.dtype, p.requires_grad, p.device), []).append(p)
+            devices = {key[2] for key in groups}
+            if len(devices) > 1:
+                raise ValueError(
+                    f"ZeRO: unit {unit.name!r} has parameters on several devices {sorted(map(str, devices))}; "
+                    "a unit's flat buffer lives on one device. Move the module to one device "
+                    "(module.to(device)) or make the submodules on other devices units of their own.")
+            for (dtype, rg, _), params in groups.items():
+                tag = f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
+                flat = FlatBuffer(params, self.group, mode=self.policy.flat_mode, name=tag)
+                unit.flats.append(flat)
+                unit.bindings.append([places[p] for p in params])
+                if rg:
+                    flat.full.register_post_accumulate_grad_hook(
+                        self._make_post_backward(unit, flat))
+            for params_places in unit.bindings:
+                for bindings in params_places:
+                    for b in bindings:
+                        b.module._parameters.pop(b.attr, None)
+            for p in mine:  # release the original storage; remember it to catch stale optimizers
+                _orphans.add(p)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            unit.module._minishard_unit = unit.name
+            units.append(unit)
+        return units
+
+    # --------------------------------------------------------------------------------- hooks
+    def _register_hooks(self) -> None:
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+
+    def _make_pre_forward(self, unit: Unit):
+        is_root = unit.module is self.module
+
+        def pre_forward(module, args):
+            if is_root and not self._in_backward:
+                self.peak_gathered_bytes = self._gathered_bytes
+            unit.gather(self)
+            unit.bind_views()
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit):
+        def post_forward(module, args, output):
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0]
+                           if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in tensors:
+                    t.register_hook(self._make_pre_backward(unit))
+            # During backward (activation-checkpoint recomputation) the params are still needed.
+            if self.policy.free_after_forward and not self._in_backward:
+                unit.free(self)
+        return post_forward
+
+    def _make_pre_backward(self, unit: Unit):
+        def pre_backward(grad):
+            self._start_backward()
+            unit.gather(self)
+            return None
+        return pre_backward
+
+    def _make_post_backward(self, unit: Unit, flat: FlatBuffer):
+        def post_backward(full: torch.Tensor) -> None:
+            self._start_backward()
+            if self.policy.reduce_per_unit:
+                self._reduce(flat)
+            if self.policy.free_after_forward:
+                flat.free()
+                self._note_gathered()
+        return post_backward
+
+    def _start_backward(self) -> None:
+        if not self._backward_pending:
+            self._backward_pending, self._in_backward = True, True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _reduce(self, flat: FlatBuffer) -> None:
+        if id(flat) in self._reduced:
+            return
+        self._reduced.add(id(flat))
+        self._in_flight.append(flat.reduce_grad(async_op=True))
+        while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.pop(0).wait()
+
+    def _finish_backward(self) -> None:
+        """Runs once, when autograd has finished the whole backward pass."""
+        for unit in reversed(self.units):  # units whose grads were not reduced yet (stage 1, unused)
+            for flat in unit.flats:
+                if flat.requires_grad:
+                    self._reduce(flat)
+        for handle in self._in_flight:
+            handle.wait()
+        self._in_flight.clear()
+        self._reduced.clear()
+        if self.policy.free_after_forward:
+            for unit in self.units:
+                unit.free(self)
+        self._backward_pending = self._in_backward = False
+
+    # -------------------------------------------------------------------------- public API
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def gathered(self, writeback: bool = True):
+        """Full parameters visible on every rank inside the block (like FSDP's
+        ``summon_full_params``). With ``writeback``, edits to them are kept."""
+        for unit in self.units:
+            unit.gather(self)
+            unit.bind_views(detached=True)
+        try:
+            yield self.module
+        finally:
+            for unit in self.units:
+                if writeback:
+                    for flat in unit.flats:
+                        flat.push_to_shard()
+                if self.policy.free_after_forward:
+                    unit.free(self)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The unwrapped module's state dict: original names, full tensors, on every rank."""
+        values: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            for flat, places in zip(unit.flats, unit.bindings):
+                master = flat.gather_master()
+                for piece, shape, bindings in zip(torch.split(master, flat.numels), flat.shapes,
+                                                  places):
+                    for b in bindings:
+                        values[b.fqn] = piece.view(shape).clone()
+        for name, buf in self.module.state_dict().items():
+            values.setdefault(name, buf.detach().clone())
+        return {k: values[k] for k in self._state_dict_keys() if k in values}
+
+    def _state_dict_keys(self) -> list[str]:
+        keys = list(self.module.state_dict().keys())
+        for unit in self.units:
+            for places in unit.bindings:
+                keys += [b.fqn for bindings in places for b in bindings]
+        return sorted(set(keys), key=keys.index)
+
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s."""
+        expected = set(self._state_dict_keys())
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if missing or unexpected:
+            raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys "
+                           f"{sorted(unexpected)}. Pass the full state dict of the same model.")
+        with torch.no_grad():
+            for unit in self.units:
+                for flat, places in zip(unit.flats, unit.bindings):
+                    pieces = []
+                    for shape, bindings in zip(flat.shapes, places):
+                        t = state_dict[bindings[0].fqn]
+                        if t.shape != shape:
+                            raise ValueError(f"load_full_state_dict: {bindings[0].fqn} has shape "
+                                             f"{tuple(t.shape)}, the model expects {tuple(shape)}")
+                        pieces.append(t.reshape(-1))
+                    flat.load_master(torch.cat(pieces))
+            buffers = {k: v for k, v in state_dict.items() if k in self.module.state_dict()}
+            self.module.load_state_dict(buffers, strict=False)
+        for unit in self.units:
+            if not self.policy.free_after_forward:
+                unit.gather(self)
+                unit.bind_views(detached=True)
+
+    # -------------------------------------------------------------------------------- memory
+    def _note_gathered(self) -> None:
+        self._gathered_bytes = sum(f.full_bytes() for u in self.units for f in u.flats
+                                   if f.mode == "own" and f.is_gathered)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes this rank holds right now, by kind. ``optimizer`` adds its state for our shards."""
+        params = grads = 0
+        for unit in self.units:
+            for f in unit.flats:
+                shares_storage = f.mode == "view" or f.shard is f.full
+                params += f.full.untyped_storage().nbytes()
+                params += 0 if shares_storage else f.shard.untyped_storage().nbytes()
+                held = {id(g): g for g in (f.full.grad, f.shard.grad) if g is not None}
+                grads += sum(g.untyped_storage().nbytes() for g in held.values())
+        opt = 0
+        if optimizer is not None:
+            mine = {id(p) for p in self.parameters()}
+            for p, state in optimizer.state.items():
+                if id(p) in mine:
+                    opt += sum(v.numel() * v.element_size() for v in state.values()
+                               if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": opt,
+                "peak_gathered_params": self.peak_gathered_bytes}
