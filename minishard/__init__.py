@@ -9,5 +9,6 @@ Public names only; see the modules for the story:
 """
 from minishard import comm
 from minishard.comm import ledger
+from minishard.zero import STAGES, ZeRO
 
-__all__ = ["comm", "ledger"]
+__all__ = ["comm", "ledger", "ZeRO", "STAGES"]

@@ -1,0 +1,116 @@
+"""The foundation: the comm ledger's byte counts and RankPool's failure handling."""
+import os
+import time
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+from minishard import comm
+from minishard.testing import RankError, RankPool
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+# ------------------------------------------------------------------------ rank functions
+def collectives_match_torch(numel_per_rank: int, dtype_name: str, seed: int):
+    """Each comm collective vs the same thing computed from every rank's data, plus the ledger."""
+    dtype = DTYPES[dtype_name]
+    n, r = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    data = [torch.randn(n * numel_per_rank, generator=gen).to(dtype) for _ in range(n)]
+    mine = data[r]
+    total = torch.stack([d.double() for d in data]).sum(0)
+    with comm.ledger() as led:
+        x = mine.clone(); comm.all_reduce(x, "sum")
+        y = mine.clone(); comm.all_reduce(y, "avg")
+        z = torch.stack([d.double() for d in data]).max(0).values.to(dtype)
+        m = mine.clone(); comm.all_reduce(m, "max")
+        shard = torch.empty(numel_per_rank, dtype=dtype)
+        comm.reduce_scatter(shard, mine.clone(), "sum")
+        gathered = torch.empty(n * numel_per_rank, dtype=dtype)
+        comm.all_gather(gathered, data[r][:numel_per_rank].clone())
+        b = mine.clone(); comm.broadcast(b, src=n - 1)
+        h = mine.clone(); handle = comm.all_reduce(h, "avg", async_op=True); handle.wait()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.double(), total, **tol)
+    torch.testing.assert_close(y.double(), total / n, **tol)
+    torch.testing.assert_close(h.double(), total / n, **tol)
+    assert torch.equal(m, z)
+    k = numel_per_rank
+    torch.testing.assert_close(shard.double(), total[r * k:(r + 1) * k], **tol)
+    assert torch.equal(gathered, torch.cat([d[:k] for d in data]))
+    assert torch.equal(b, data[n - 1])
+    # the ledger: ring cost model, bytes sent per rank, exact
+    S = n * k * torch.empty((), dtype=dtype).element_size()
+    expect = [("all_reduce", 2 * S), ("all_reduce", 2 * S), ("all_reduce", 2 * S),
+              ("reduce_scatter", S), ("all_gather", S), ("broadcast", S), ("all_reduce", 2 * S)]
+    assert [(e.op, e.bytes_sent) for e in led.entries] == \
+        [(op, Fraction(b * (n - 1), n)) for op, b in expect]
+    assert all(e.numel == n * k and e.group_size == n and e.dtype == dtype for e in led.entries)
+    return float(led.total_bytes())
+
+
+def raise_on(rank_to_fail: int):
+    if dist.get_rank() == rank_to_fail:
+        raise ValueError(f"deliberate failure on rank {rank_to_fail}")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the healthy ranks wait here for the failed one
+    return t.item()
+
+
+def skip_collective_on_rank0():
+    if dist.get_rank() != 0:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def whoami():
+    return dist.get_rank(), dist.get_world_size(), os.getpid(), torch.get_num_threads()
+
+
+# ----------------------------------------------------------------------------------- tests
+@given(ws=st.integers(1, 4), k=st.integers(1, 9), dtype=st.sampled_from(sorted(DTYPES)),
+       seed=st.integers(0, 2**16))
+def test_collectives_and_ledger_match_ring_model(pools, ws, k, dtype, seed):
+    totals = pools(ws).run(collectives_match_torch, k, dtype, seed)
+    assert len(set(totals)) == 1
+
+
+def test_pool_returns_rank_ordered_results_and_reuses_ranks(pools):
+    pool = pools(3)
+    first = pool.run(whoami)
+    assert [r for r, *_ in first] == [0, 1, 2] and {w for _, w, *_ in first} == {3}
+    assert all(threads == 1 for *_, threads in first)
+    assert [pid for _, _, pid, _ in pool.run(whoami)] == [pid for _, _, pid, _ in first]
+
+
+def test_exception_names_rank_and_carries_traceback(pools):
+    pool = pools(2)
+    with pytest.raises(RankError, match=r"rank 1 raised: ValueError: deliberate failure on rank 1") as exc:
+        pool.run(raise_on, 1)
+    assert "Traceback" in exc.value.remote_traceback and exc.value.rank == 1
+    assert pool.run(whoami)[1][0] == 1  # the pool still works afterwards
+
+
+def test_hang_becomes_timeout_and_pool_recovers():
+    with RankPool(2, timeout=4) as pool:
+        before = [pid for _, _, pid, _ in pool.run(whoami)]
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] did not finish skip_collective_on_rank0"):
+            pool.run(skip_collective_on_rank0)
+        assert time.monotonic() - t0 < 15
+        after = pool.run(whoami)  # rebuilt with fresh processes
+        assert [r for r, *_ in after] == [0, 1]
+        assert not set(before) & {pid for _, _, pid, _ in after}
+    for pid in before:  # no orphans left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_unpicklable_function_is_refused_clearly(pools):
+    with pytest.raises(TypeError, match="module-level function"):
+        pools(1).run(lambda: 1)
