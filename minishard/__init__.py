@@ -9,6 +9,6 @@ Public names only; see the modules for the story:
 """
 from minishard import comm
 from minishard.comm import ledger
-from minishard.zero import STAGES, ZeRO
+from minishard.zero import STAGES, MixedPrecision, ZeRO
 
-__all__ = ["comm", "ledger", "ZeRO", "STAGES"]
+__all__ = ["comm", "ledger", "ZeRO", "STAGES", "MixedPrecision"]

@@ -46,7 +46,18 @@ from torch.utils._pytree import tree_flatten
 from minishard import comm
 from minishard.flat import FlatBuffer
 
-__all__ = ["ZeRO", "StagePolicy", "STAGES"]
+__all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep buffers in
+    ``buffer_dtype``; the shards the optimizer owns stay in the parameters' own dtype (the fp32
+    master copy). Parameters are cast BEFORE the all-gather, so gathers move param_dtype bytes.
+    BatchNorm buffers (running statistics) are never cast: they stay fp32."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +122,12 @@ def _detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
         return [v.detach() for v in flat.views()]
 
 
+def _cast_floats(tree, dtype: torch.dtype):
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, tree)
+
+
 def _unit_predicate(units) -> Callable[[nn.Module], bool]:
     if units is None:
         return lambda m: False
@@ -157,11 +174,15 @@ class ZeRO(nn.Module):
             (every matching submodule is its own unit), or a predicate ``fn(module) -> bool``.
             A parameter belongs to the innermost unit that contains every module using it.
         process_group: the ranks to shard over (default: all).
+        mixed_precision: a :class:`MixedPrecision` (default: compute in the parameters' dtype).
+        prefetch: issue the next unit's all-gather asynchronously while this one computes
+            (order recorded on the first forward, reversed for backward; two gathers at most).
 
     Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards).
     """
 
-    def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None) -> None:
+    def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
+                 mixed_precision: MixedPrecision | None = None, prefetch: bool = False) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -175,8 +196,11 @@ class ZeRO(nn.Module):
         self.module = module
         self.stage, self.policy, self.group = stage, STAGES[stage], process_group
         self.world = comm.group_size(process_group)
+        self.mp = mixed_precision or MixedPrecision()
+        self.prefetch = prefetch
         self._check_same_config_on_all_ranks()
         self._sync_initial_state()
+        self._cast_buffers()
         self.units = self._build_units(_unit_predicate(units))
         self.flat_params = nn.ParameterList(
             [flat.shard for unit in self.units for flat in unit.flats])
@@ -186,6 +210,9 @@ class ZeRO(nn.Module):
         self._in_backward = False
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._in_flight: list[comm.Handle] = []
+        self._sync_grads = True             # False inside no_sync()
+        self._order: list[Unit] = []        # units in the order the first forward ran them
+        self._order_recorded = False
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0
         for unit in self.units:  # stage 3 starts sharded; the others keep full params
@@ -217,6 +244,16 @@ class ZeRO(nn.Module):
         with torch.no_grad():
             for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
                 comm.broadcast(t.data, 0, self.group, tag=f"init {name}")
+
+    def _cast_buffers(self) -> None:
+        if self.mp.buffer_dtype is None:
+            return
+        for m in self.module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                continue  # running statistics stay fp32
+            for name, b in m._buffers.items():
+                if b is not None and b.is_floating_point():
+                    m._buffers[name] = b.to(self.mp.buffer_dtype)
 
     def _build_units(self, is_unit: Callable[[nn.Module], bool]) -> list[Unit]:
         root = self.module
@@ -264,7 +301,9 @@ class ZeRO(nn.Module):
                     "(module.to(device)) or make the submodules on other devices units of their own.")
             for (dtype, rg, _), params in groups.items():
                 tag = f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
-                flat = FlatBuffer(params, self.group, mode=self.policy.flat_mode, name=tag)
+                compute = self.mp.param_dtype if dtype.is_floating_point else None
+                flat = FlatBuffer(params, self.group, mode=self.policy.flat_mode,
+                                  param_dtype=compute, name=tag)
                 unit.flats.append(flat)
                 unit.bindings.append([places[p] for p in params])
                 if rg:
@@ -293,12 +332,35 @@ class ZeRO(nn.Module):
         def pre_forward(module, args):
             if is_root and not self._in_backward:
                 self.peak_gathered_bytes = self._gathered_bytes
+            if not self._order_recorded and unit not in self._order:
+                self._order.append(unit)
             unit.gather(self)
             unit.bind_views()
+            if self.prefetch and not self._in_backward:
+                self._prefetch_after(unit, step=+1)
+            if is_root and self.mp.param_dtype is not None:
+                return _cast_floats(args, self.mp.param_dtype)
+            return None
         return pre_forward
 
+    def _prefetch_after(self, unit: Unit, step: int) -> None:
+        """Start the all-gather of the unit expected to run next (forward order, or its reverse
+        in backward). A wrong guess costs memory, never correctness: a unit waits for its own."""
+        if unit not in self._order:
+            return
+        i = self._order.index(unit) + step
+        if 0 <= i < len(self._order):
+            nxt = self._order[i]
+            for flat in nxt.flats:
+                if not flat.is_gathered or flat.is_stale:
+                    flat.gather(async_op=True)
+            self._note_gathered()
+
     def _make_post_forward(self, unit: Unit):
+        is_root = unit.module is self.module
+
         def post_forward(module, args, output):
+            self._order_recorded |= is_root
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0]
                            if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -313,13 +375,15 @@ class ZeRO(nn.Module):
         def pre_backward(grad):
             self._start_backward()
             unit.gather(self)
+            if self.prefetch:
+                self._prefetch_after(unit, step=-1)
             return None
         return pre_backward
 
     def _make_post_backward(self, unit: Unit, flat: FlatBuffer):
         def post_backward(full: torch.Tensor) -> None:
             self._start_backward()
-            if self.policy.reduce_per_unit:
+            if self.policy.reduce_per_unit and self._sync_grads:
                 self._reduce(flat)
             if self.policy.free_after_forward:
                 flat.free()
@@ -335,7 +399,7 @@ class ZeRO(nn.Module):
         if id(flat) in self._reduced:
             return
         self._reduced.add(id(flat))
-        self._in_flight.append(flat.reduce_grad(async_op=True))
+        self._in_flight.append(flat.reduce_grad(async_op=True, reduce_dtype=self.mp.reduce_dtype))
         while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
             self._in_flight.pop(0).wait()
 
@@ -343,7 +407,7 @@ class ZeRO(nn.Module):
         """Runs once, when autograd has finished the whole backward pass."""
         for unit in reversed(self.units):  # units whose grads were not reduced yet (stage 1, unused)
             for flat in unit.flats:
-                if flat.requires_grad:
+                if flat.requires_grad and self._sync_grads:
                     self._reduce(flat)
         for handle in self._in_flight:
             handle.wait()
@@ -357,6 +421,48 @@ class ZeRO(nn.Module):
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, with no communication: each unit keeps its FULL
+        gradient (more memory) until the first backward outside the block reduces the sum.
+        Without ``no_sync``, every backward reduce-scatters into the shard gradient instead:
+        less memory, more communication. Both give the same numbers."""
+        previous, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = previous
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of the WHOLE model by its global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model; returns the total norm
+        before clipping.
+
+        Each element counts once: a rank sums |g|^p over its shard gradients only (which hold no
+        padding, and a tied weight has one slot), then one all-reduce adds the ranks' sums
+        (MAX for the inf-norm). Stage 0 holds identical full gradients on every rank: no collective.
+        """
+        norm_type = float(norm_type)
+        grads = [f.shard.grad for u in self.units for f in u.flats if f.shard.grad is not None]
+        device = grads[0].device if grads else self.flat_params[0].device
+        if norm_type == float("inf"):
+            local = max((g.abs().max().double() for g in grads if g.numel()),
+                        default=torch.zeros((), dtype=torch.float64, device=device))
+            op = "max"
+        else:
+            local = sum((g.double().abs().pow(norm_type).sum() for g in grads),
+                        torch.zeros((), dtype=torch.float64, device=device))
+            op = "sum"
+        total = local.reshape(1).clone()
+        if self.policy.flat_mode != "none":
+            comm.all_reduce(total, op, self.group, tag="clip_grad_norm_")
+        total = total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
+        clip = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(clip.to(g.dtype))
+        return total.float()
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
