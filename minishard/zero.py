@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import weakref
 from typing import Callable, Iterable
 
@@ -93,20 +94,6 @@ class Unit:
         self.name, self.module = name, module
         self.flats: list[FlatBuffer] = []
         self.bindings: list[list[list[_Binding]]] = []  # [flat][param] -> places it appears
-
-    def gather(self, engine: "ZeRO") -> None:
-        for flat in self.flats:
-            if not flat.is_gathered or flat.is_stale:
-                flat.gather()
-                engine._note_gathered()
-            else:
-                flat.wait()
-
-    def free(self, engine: "ZeRO") -> None:
-        for flat in self.flats:
-            if flat.mode == "own" and flat.is_gathered:
-                flat.free()
-        engine._note_gathered()
 
     def bind_views(self, detached: bool = False) -> None:
         """Point every owning module's attribute at its view of the full buffer."""
@@ -209,15 +196,17 @@ class ZeRO(nn.Module):
         self._backward_pending = False      # the end-of-backward callback is queued
         self._in_backward = False
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
-        self._in_flight: list[comm.Handle] = []
+        self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
         self._sync_grads = True             # False inside no_sync()
         self._order: list[Unit] = []        # units in the order the first forward ran them
         self._order_recorded = False
+        self._events: list[dict] | None = None  # see record_events()
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0
+        self.peak_full_grad_bytes = 0
         for unit in self.units:  # stage 3 starts sharded; the others keep full params
             if self.policy.free_after_forward:
-                unit.free(self)
+                self._free(unit)
             else:
                 unit.bind_views(detached=True)
         self._note_gathered()
@@ -334,8 +323,9 @@ class ZeRO(nn.Module):
                 self.peak_gathered_bytes = self._gathered_bytes
             if not self._order_recorded and unit not in self._order:
                 self._order.append(unit)
-            unit.gather(self)
+            self._gather(unit)
             unit.bind_views()
+            self._log("forward", unit)
             if self.prefetch and not self._in_backward:
                 self._prefetch_after(unit, step=+1)
             if is_root and self.mp.param_dtype is not None:
@@ -350,11 +340,23 @@ class ZeRO(nn.Module):
             return
         i = self._order.index(unit) + step
         if 0 <= i < len(self._order):
-            nxt = self._order[i]
-            for flat in nxt.flats:
-                if not flat.is_gathered or flat.is_stale:
-                    flat.gather(async_op=True)
-            self._note_gathered()
+            self._gather(self._order[i], async_op=True)
+
+    def _gather(self, unit: Unit, async_op: bool = False) -> None:
+        for flat in unit.flats:
+            if not flat.is_gathered or flat.is_stale:
+                flat.gather(async_op)
+                self._log("gather", unit)
+            elif not async_op:
+                flat.wait()  # a prefetched gather: make sure it has landed
+        self._note_gathered()
+
+    def _free(self, unit: Unit, flat: FlatBuffer | None = None) -> None:
+        for f in [flat] if flat is not None else unit.flats:
+            if f.mode == "own" and f.is_gathered:
+                f.free()
+                self._log("free", unit)
+        self._note_gathered()
 
     def _make_post_forward(self, unit: Unit):
         is_root = unit.module is self.module
@@ -368,13 +370,14 @@ class ZeRO(nn.Module):
                     t.register_hook(self._make_pre_backward(unit))
             # During backward (activation-checkpoint recomputation) the params are still needed.
             if self.policy.free_after_forward and not self._in_backward:
-                unit.free(self)
+                self._free(unit)
         return post_forward
 
     def _make_pre_backward(self, unit: Unit):
         def pre_backward(grad):
             self._start_backward()
-            unit.gather(self)
+            self._gather(unit)
+            self._log("backward", unit)
             if self.prefetch:
                 self._prefetch_after(unit, step=-1)
             return None
@@ -383,44 +386,64 @@ class ZeRO(nn.Module):
     def _make_post_backward(self, unit: Unit, flat: FlatBuffer):
         def post_backward(full: torch.Tensor) -> None:
             self._start_backward()
+            self._note_full_grads()
             if self.policy.reduce_per_unit and self._sync_grads:
-                self._reduce(flat)
+                self._reduce(unit, flat)
             if self.policy.free_after_forward:
-                flat.free()
-                self._note_gathered()
+                self._free(unit, flat)
         return post_backward
 
     def _start_backward(self) -> None:
         if not self._backward_pending:
             self._backward_pending, self._in_backward = True, True
+            self.peak_full_grad_bytes = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _reduce(self, flat: FlatBuffer) -> None:
+    def _reduce(self, unit: Unit, flat: FlatBuffer) -> None:
         if id(flat) in self._reduced:
             return
         self._reduced.add(id(flat))
-        self._in_flight.append(flat.reduce_grad(async_op=True, reduce_dtype=self.mp.reduce_dtype))
+        self._log("reduce", unit)
+        nbytes = flat.padded_numel * flat.full.element_size()
+        handle = flat.reduce_grad(async_op=True, reduce_dtype=self.mp.reduce_dtype)
+        self._in_flight.append((handle, nbytes))
         while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
-            self._in_flight.pop(0).wait()
+            self._in_flight.pop(0)[0].wait()
 
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass."""
         for unit in reversed(self.units):  # units whose grads were not reduced yet (stage 1, unused)
             for flat in unit.flats:
                 if flat.requires_grad and self._sync_grads:
-                    self._reduce(flat)
-        for handle in self._in_flight:
+                    self._reduce(unit, flat)
+        for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight.clear()
         self._reduced.clear()
         if self.policy.free_after_forward:
             for unit in self.units:
-                unit.free(self)
+                self._free(unit)
         self._backward_pending = self._in_backward = False
 
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def record_events(self):
+        """Yield a list that collects, in order, what the engine does per unit: "gather",
+        "forward", "free", "backward", "reduce", each with a time stamp and the full-parameter
+        bytes gathered at that moment (tutorial 05 prints it as a timeline)."""
+        self._events = events = []
+        try:
+            yield events
+        finally:
+            self._events = None
+
+    def _log(self, event: str, unit: Unit) -> None:
+        if self._events is not None:
+            self._events.append({"t": time.perf_counter(), "event": event, "unit": unit.name,
+                                 "gathered_bytes": self._gathered_bytes})
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -469,7 +492,7 @@ class ZeRO(nn.Module):
         """Full parameters visible on every rank inside the block (like FSDP's
         ``summon_full_params``). With ``writeback``, edits to them are kept."""
         for unit in self.units:
-            unit.gather(self)
+            self._gather(unit)
             unit.bind_views(detached=True)
         try:
             yield self.module
@@ -479,7 +502,7 @@ class ZeRO(nn.Module):
                     for flat in unit.flats:
                         flat.push_to_shard()
                 if self.policy.free_after_forward:
-                    unit.free(self)
+                    self._free(unit)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank."""
@@ -524,7 +547,7 @@ class ZeRO(nn.Module):
             self.module.load_state_dict(buffers, strict=False)
         for unit in self.units:
             if not self.policy.free_after_forward:
-                unit.gather(self)
+                self._gather(unit)
                 unit.bind_views(detached=True)
 
     # -------------------------------------------------------------------------------- memory
@@ -533,8 +556,19 @@ class ZeRO(nn.Module):
                                    if f.mode == "own" and f.is_gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
 
+    def _note_full_grads(self) -> None:
+        """Full (unsharded) gradient bytes alive now: accumulated and not yet reduced, or in a
+        reduction still in flight. Stage 1 holds them all at the end of backward; 2 and 3 a few."""
+        held = sum(f.full.grad.untyped_storage().nbytes() for u in self.units for f in u.flats
+                   if f.full.grad is not None)
+        held += sum(nbytes for _, nbytes in self._in_flight)
+        self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
+
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds right now, by kind. ``optimizer`` adds its state for our shards."""
+        """Bytes this rank holds right now, by kind (``params``, ``grads``, ``optimizer``: pass the
+        optimizer to count its state for our shards), and two peaks of the last step:
+        ``peak_gathered_params`` (stage 3: full parameters gathered at once; the others keep
+        them all) and ``peak_full_grads`` (unsharded gradients alive at once during backward)."""
         params = grads = 0
         for unit in self.units:
             for f in unit.flats:
@@ -551,4 +585,5 @@ class ZeRO(nn.Module):
                     opt += sum(v.numel() * v.element_size() for v in state.values()
                                if isinstance(v, torch.Tensor) and v.dim() > 0)
         return {"params": params, "grads": grads, "optimizer": opt,
-                "peak_gathered_params": self.peak_gathered_bytes}
+                "peak_gathered_params": self.peak_gathered_bytes,
+                "peak_full_grads": self.peak_full_grad_bytes}
