@@ -346,17 +346,17 @@ class ZeRO(nn.Module):
         for flat in unit.flats:
             if not flat.is_gathered or flat.is_stale:
                 flat.gather(async_op)
+                self._note_gathered()
                 self._log("gather", unit)
             elif not async_op:
                 flat.wait()  # a prefetched gather: make sure it has landed
-        self._note_gathered()
 
     def _free(self, unit: Unit, flat: FlatBuffer | None = None) -> None:
         for f in [flat] if flat is not None else unit.flats:
             if f.mode == "own" and f.is_gathered:
                 f.free()
+                self._note_gathered()
                 self._log("free", unit)
-        self._note_gathered()
 
     def _make_post_forward(self, unit: Unit):
         is_root = unit.module is self.module
