@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+from datetime import timedelta
 from fractions import Fraction
 from typing import Iterator
 
@@ -37,7 +39,8 @@ import torch.distributed as dist
 
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
-    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes",
+    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "set_debug",
+    "CollectiveMismatch",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -120,6 +123,65 @@ def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str) ->
         led.entries.append(entry)
 
 
+# --------------------------------------------------------------------- consistency checking
+class CollectiveMismatch(RuntimeError):
+    """Ranks were about to issue different collectives (debug mode): a hang or silent garbage."""
+
+
+_debug = {"on": os.environ.get("MINISHARD_DEBUG", "0") not in ("", "0"),
+          "timeout": float(os.environ.get("MINISHARD_DEBUG_TIMEOUT", "10"))}
+_FINGERPRINT_BYTES = 192
+
+
+def set_debug(enabled: bool, timeout: float | None = None) -> None:
+    """Turn the collective-consistency check on or off (``MINISHARD_DEBUG=1`` turns it on at
+    import; ``MINISHARD_DEBUG_TIMEOUT`` sets how long a rank waits for the others, in seconds)."""
+    _debug["on"] = enabled
+    if timeout is not None:
+        _debug["timeout"] = timeout
+
+
+def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: str) -> None:
+    """Debug mode: before a collective, every rank shows the others what it is about to call.
+
+    Ranks that take different code paths (one skips a SyncBatchNorm forward, two disagree on the
+    order of ZeRO units) otherwise hang forever, or worse, sum unrelated tensors of equal size.
+    Here every rank all-gathers a fingerprint (op, shape, dtype, who asked) and compares; a
+    mismatch raises on every rank that sees it, naming all sides; a rank left waiting because
+    another skipped the collective raises after the debug timeout. Costs one small all-gather per
+    collective, and nothing at all when off.
+    """
+    mine = f"{op} shape={tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} from {tag or '?'}"
+    raw = mine.encode()[:_FINGERPRINT_BYTES].ljust(_FINGERPRINT_BYTES, b"\0")
+    send = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(tensor.device)
+    recv = torch.empty(n * _FINGERPRINT_BYTES, dtype=torch.uint8, device=tensor.device)
+    work = _all_gather_flat(recv, send, group=group, async_op=True)
+    try:
+        work.wait(timeout=timedelta(seconds=_debug["timeout"]))
+    except RuntimeError as exc:
+        raise CollectiveMismatch(
+            f"minishard debug: rank {dist.get_rank()} waited {_debug['timeout']:.0f} s at `{mine}` "
+            "and not every rank arrived: another rank skipped this collective or is stuck in "
+            "another one (the ranks took different code paths).") from exc
+    rows = recv.view(n, _FINGERPRINT_BYTES).cpu()
+    theirs = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
+    if len(set(theirs)) > 1:
+        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(n)]
+        sides = "\n".join(f"  rank {r}: {fp}" for r, fp in zip(ranks, theirs))
+        raise CollectiveMismatch(
+            "minishard debug: the ranks are about to issue DIFFERENT collectives:\n"
+            f"{sides}\nEvery rank must issue the same collectives in the same order: look for "
+            "a branch that depends on the rank or on its data (a layer skipped on one rank, "
+            "units run in another order, batches of different shapes).")
+
+
+def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str) -> None:
+    """Every collective passes here first: the ledger, and the debug consistency check."""
+    _record(op, numel, tensor.dtype, n, tag)
+    if _debug["on"] and n > 1:
+        _check_same_collective(op, tensor, group, n, tag)
+
+
 # ------------------------------------------------------------------------------------ groups
 def group_size(group=None) -> int:
     return dist.get_world_size(group)
@@ -177,7 +239,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     numbers that way, and older gloo builds have no AVG.
     """
     n = group_size(group)
-    _record("all_reduce", tensor.numel(), tensor.dtype, n, tag)
+    _before("all_reduce", tensor, tensor.numel(), group, n, tag)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=red, group=group, async_op=async_op) if n > 1 else None
     then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
@@ -193,7 +255,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
-    _record("all_gather", output.numel(), output.dtype, n, tag)
+    _before("all_gather", output, output.numel(), group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
         return _finish(None, async_op)
@@ -210,7 +272,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
-    _record("reduce_scatter", full.numel(), full.dtype, n, tag)
+    _before("reduce_scatter", full, full.numel(), group, n, tag)
     if n == 1:
         shard.copy_(full.view_as(shard))
         return _finish(None, async_op)
@@ -224,7 +286,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
               tag: str = ""):
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
     n = group_size(group)
-    _record("broadcast", tensor.numel(), tensor.dtype, n, tag)
+    _before("broadcast", tensor, tensor.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)
     global_src = dist.get_global_rank(group, src) if group is not None else src

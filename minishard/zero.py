@@ -321,6 +321,11 @@ class ZeRO(nn.Module):
         def pre_forward(module, args):
             if is_root and not self._in_backward:
                 self.peak_gathered_bytes = self._gathered_bytes
+                if not self.policy.free_after_forward:
+                    # Stages 1-2: the optimizer step changed the shards; refresh every unit's
+                    # full buffer now, asynchronously; each unit waits for its own before it runs.
+                    for u in self.units:
+                        self._gather(u, async_op=True)
             if not self._order_recorded and unit not in self._order:
                 self._order.append(unit)
             self._gather(unit)
