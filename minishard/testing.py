@@ -107,10 +107,23 @@ class RankPool:
         self._finalizer = weakref.finalize(self, _kill, self._procs)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> "RankPool":
+    def start(self, attempts: int = 3) -> "RankPool":
+        """Start the ranks (a no-op if they run). The rendezvous port is picked free just before
+        use, and another process can take it in between: a failed start is retried on a new port."""
         if self._procs:
             return self
         t0 = time.perf_counter()
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once()
+                break
+            except (RankError, TimeoutError):
+                if attempt == attempts:
+                    raise
+        self.startup_seconds = time.perf_counter() - t0
+        return self
+
+    def _start_once(self) -> None:
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
@@ -130,11 +143,9 @@ class RankPool:
                 self._teardown()
                 raise TimeoutError(f"RankPool({self.world_size}) did not start: {exc}") from None
             if kind == "error":
-                self.close()
+                self._teardown()
                 raise RankError(rank, info)
             ready.add(rank)
-        self.startup_seconds = time.perf_counter() - t0
-        return self
 
     def close(self) -> None:
         """Stop the ranks. The pool can be started again by the next :meth:`run`."""

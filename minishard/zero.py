@@ -186,6 +186,10 @@ class ZeRO(nn.Module):
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
         self._check_same_config_on_all_ranks()
+        # The unwrapped module's names, in its own order, before the parameters move into flats:
+        # state dicts and the full optimizer export (state.py) are keyed by these.
+        self.param_names = [name for name, _ in module.named_parameters()]
+        self._state_keys = list(module.state_dict().keys())
         self._sync_initial_state()
         self._cast_buffers()
         self.units = self._build_units(_unit_predicate(units))
@@ -521,18 +525,11 @@ class ZeRO(nn.Module):
                         values[b.fqn] = piece.view(shape).clone()
         for name, buf in self.module.state_dict().items():
             values.setdefault(name, buf.detach().clone())
-        return {k: values[k] for k in self._state_dict_keys() if k in values}
-
-    def _state_dict_keys(self) -> list[str]:
-        keys = list(self.module.state_dict().keys())
-        for unit in self.units:
-            for places in unit.bindings:
-                keys += [b.fqn for bindings in places for b in bindings]
-        return sorted(set(keys), key=keys.index)
+        return {k: values[k] for k in self._state_keys}
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s."""
-        expected = set(self._state_dict_keys())
+        expected = set(self._state_keys)
         missing, unexpected = expected - set(state_dict), set(state_dict) - expected
         if missing or unexpected:
             raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys "
