@@ -38,7 +38,10 @@ class RankError(RuntimeError):
     """An exception raised by a function on one of the pool's ranks."""
 
     def __init__(self, rank: int, remote_traceback: str) -> None:
-        last = remote_traceback.strip().splitlines()[-1] if remote_traceback.strip() else ""
+        lines = remote_traceback.rstrip().splitlines()
+        # The exception (possibly several lines) follows the last indented frame line.
+        frames = [i for i, line in enumerate(lines) if line.startswith(" ")]
+        last = "\n".join(lines[frames[-1] + 1:] if frames else lines[-1:])
         super().__init__(f"rank {rank} raised: {last}\n\n--- traceback on rank {rank} ---\n"
                          f"{remote_traceback}")
         self.rank = rank

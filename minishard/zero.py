@@ -125,7 +125,6 @@ def _unit_predicate(units) -> Callable[[nn.Module], bool]:
 
 
 # ------------------------------------------------------------------- global optimizer guard
-_orphans: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
@@ -136,7 +135,7 @@ def _refuse_orphaned_params(optimizer, args, kwargs) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _orphans:
+            if getattr(p, "_minishard_replaced", False):
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds a parameter of the module as it was BEFORE "
                     "minishard.ZeRO wrapped it; ZeRO replaced those parameters by flat shards, so "
@@ -307,7 +306,7 @@ class ZeRO(nn.Module):
                     for b in bindings:
                         b.module._parameters.pop(b.attr, None)
             for p in mine:  # release the original storage; remember it to catch stale optimizers
-                _orphans.add(p)
+                p._minishard_replaced = True
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             unit.module._minishard_unit = unit.name
             units.append(unit)

@@ -1,0 +1,215 @@
+"""The bad-input catalogue: every case gets a clear error that names the problem (never a hang,
+never silent wrong numbers). Each test checks the MESSAGE, not only the exception type."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minishard
+from minishard import comm
+from minishard.testing import RankError, RankPool
+
+
+# ------------------------------------------------------------------------- rank functions
+def syncbn_forward(shape, dtype_name="float32", channels=3):
+    bn = minishard.SyncBatchNorm(channels)
+    return bn(torch.zeros(shape, dtype=getattr(torch, dtype_name))).shape
+
+
+def syncbn_single_value_globally():
+    bn = minishard.SyncBatchNorm(2)
+    n = 1 if dist.get_rank() == 0 else 0  # one sample on rank 0, none elsewhere
+    return bn(torch.randn(n, 2))
+
+
+def syncbn_group_without_me():
+    group = dist.new_group([0])  # collective: every rank creates it
+    if dist.get_rank() == 1:
+        minishard.SyncBatchNorm(2, process_group=group)(torch.randn(4, 2))
+    return True
+
+
+def wrap_twice():
+    model = minishard.ZeRO(nn.Linear(3, 3), stage=2)
+    minishard.ZeRO(model.module, stage=2)
+
+
+def optimizer_before_wrapping():
+    module = nn.Linear(3, 3)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)   # the bug: built before wrapping
+    model = minishard.ZeRO(module, stage=3)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+
+
+def stages_differ():
+    minishard.ZeRO(nn.Linear(3, 3), stage=dist.get_rank() % 2 + 1)
+
+
+def unknown_stage():
+    minishard.ZeRO(nn.Linear(3, 3), stage=4)
+
+
+def params_on_two_devices():
+    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    minishard.ZeRO(module, stage=3)
+
+
+def load_wrong_state_dict(kind):
+    model = minishard.ZeRO(nn.Linear(3, 2), stage=3)
+    sd = model.full_state_dict()
+    if kind == "missing":
+        del sd["bias"]
+    else:
+        sd["weight"] = torch.zeros(4, 4)
+    model.load_full_state_dict(sd)
+
+
+def save(path, width):
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2)), stage=3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    minishard.save_checkpoint(path, model, opt)
+
+
+def load(path, width):
+    model = minishard.ZeRO(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2)), stage=3)
+    minishard.load_checkpoint(path, model, torch.optim.Adam(model.parameters()))
+
+
+def debug_mismatched_shapes():
+    comm.set_debug(True, timeout=5)
+    try:
+        comm.all_reduce(torch.ones(3 + dist.get_rank()), tag=f"layer{dist.get_rank()}")
+    finally:
+        comm.set_debug(False)
+
+
+def debug_rank_skips_syncbn():
+    comm.set_debug(True, timeout=3)
+    try:
+        if dist.get_rank() == 0:
+            minishard.SyncBatchNorm(4)(torch.randn(3, 4))
+        minishard.SyncBatchNorm(5)(torch.randn(3, 5))
+    finally:
+        comm.set_debug(False)
+
+
+# ----------------------------------------------------------------------------------- SyncBN
+@pytest.mark.parametrize("shape, dtype, match", [
+    ((4, 5), "float32", r"expected 3 channels in dim 1 of the input, got shape \(4, 5\)"),
+    ((4,), "float32", r"expected at least 2D input \(got 1D input"),
+    ((4, 3), "int64", r"expected a floating point input, got torch.int64"),
+], ids=["wrong-channels", "fewer-than-2-dims", "non-float"])
+def test_syncbn_local_input_errors(pools, shape, dtype, match):
+    with pytest.raises(RankError, match=match):
+        pools(2).run(syncbn_forward, shape, dtype)
+
+
+def test_syncbn_one_value_per_channel_globally(pools):
+    with pytest.raises(RankError, match="Expected more than 1 value per channel when training"):
+        pools(2).run(syncbn_single_value_globally)
+
+
+def test_syncbn_process_group_without_this_rank(pools):
+    with pytest.raises(RankError, match=r"rank 1 raised: .*not a member of the process group"):
+        pools(2).run(syncbn_group_without_me)
+
+
+# ----------------------------------------------------------------------------------- engine
+def test_wrapping_twice(pools):
+    with pytest.raises(RankError, match="already wrapped by minishard.ZeRO"):
+        pools(2).run(wrap_twice)
+
+
+def test_optimizer_over_unwrapped_parameters(pools):
+    with pytest.raises(RankError, match="BEFORE minishard.ZeRO wrapped it.*Build the optimizer AFTER"):
+        pools(2).run(optimizer_before_wrapping)
+
+
+def test_ranks_with_different_stages(pools):
+    with pytest.raises(RankError, match=r"ranks disagree on the configuration \(stage"):
+        pools(2).run(stages_differ)
+
+
+def test_unknown_stage(pools):
+    with pytest.raises(RankError, match="stage must be 0, 1, 2 or 3, got 4"):
+        pools(1).run(unknown_stage)
+
+
+def test_parameters_on_two_devices_in_one_unit(pools):
+    with pytest.raises(RankError, match="has parameters on several devices"):
+        pools(1).run(params_on_two_devices)
+
+
+@pytest.mark.parametrize("kind, match", [("missing", r"missing keys \['bias'\]"),
+                                         ("shape", r"weight has shape \(4, 4\), the model expects \(2, 3\)")])
+def test_load_full_state_dict_of_another_model(pools, kind, match):
+    with pytest.raises(RankError, match=match):
+        pools(2).run(load_wrong_state_dict, kind)
+
+
+# ------------------------------------------------------------------------------ checkpoints
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "step-000001")
+    with RankPool(2) as pool:
+        pool.run(save, path, 4)
+    return path
+
+
+def test_checkpoint_of_another_model(pools, saved):
+    with pytest.raises(RankError, match=r"checkpoint \(4, 4\), model \(5, 5\)"):
+        pools(2).run(load, saved, 5)
+
+
+def test_truncated_checkpoint_file(pools, saved, tmp_path):
+    import shutil
+    copy = tmp_path / "step-000001"
+    shutil.copytree(saved, copy)
+    shard = copy / "rank1-of-2.pt"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(RankError, match="rank1-of-2.pt.*(truncated|bytes)"):
+        pools(2).run(load, str(copy), 4)
+
+
+def test_checkpoint_without_meta_is_incomplete(pools, saved, tmp_path):
+    import shutil
+    copy = tmp_path / "step-000001"
+    shutil.copytree(saved, copy)
+    os.remove(copy / "meta.pt")
+    with pytest.raises(RankError, match="incomplete: meta.pt is missing"):
+        pools(2).run(load, str(copy), 4)
+
+
+def test_checkpoint_world_size_metadata_mismatch(pools, saved, tmp_path):
+    import shutil
+    copy = tmp_path / "step-000001"
+    shutil.copytree(saved, copy)
+    meta = torch.load(copy / "meta.pt", weights_only=True)
+    meta["world_size"] = 3
+    torch.save(meta, copy / "meta.pt")
+    with pytest.raises(RankError, match="world size|world_size|3"):
+        pools(2).run(load, str(copy), 4)
+
+
+# ---------------------------------------------------------------------- harness and debug
+def test_rankpool_refuses_unpicklable_function(pools):
+    with pytest.raises(TypeError, match="pass a module-level function"):
+        pools(1).run(lambda: None)
+
+
+def test_debug_mode_names_both_sides_of_a_mismatch(pools):
+    with pytest.raises(RankError, match=r"DIFFERENT collectives:\n  rank 0: all_reduce shape=\(3,\) "
+                                        r"float32 from layer0\n  rank 1: all_reduce shape=\(4,\)"):
+        pools(2).run(debug_mismatched_shapes)
+
+
+def test_debug_mode_turns_a_skipped_syncbn_into_an_error(pools):
+    with pytest.raises(RankError, match=r"(?s)rank \d raised: .*DIFFERENT collectives:.*"
+                                        r"SyncBatchNorm\(4\) forward.*SyncBatchNorm\(5\) forward"):
+        pools(2).run(debug_rank_skips_syncbn)
