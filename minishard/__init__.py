@@ -12,3 +12,11 @@ from minishard.comm import ledger
 from minishard.zero import STAGES, MixedPrecision, ZeRO
 
 __all__ = ["comm", "ledger", "ZeRO", "STAGES", "MixedPrecision"]
+from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+
+__all__ += ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+from minishard.state import (full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
+                             load_full_optimizer_state_dict, save_checkpoint)
+
+__all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_optimizer_state_dict",
+            "load_full_optimizer_state_dict"]

@@ -1,0 +1,152 @@
+"""Tutorial 03: SyncBatchNorm, or BatchNorm statistics over the GLOBAL batch.
+
+    torchrun --standalone --nproc_per_node=2 tutorials/03_sync_batchnorm.py
+    torchrun --standalone --nproc_per_node=4 tutorials/03_sync_batchnorm.py
+
+Data parallelism splits one batch of B samples over N ranks: each rank sees B/N of them. For most
+layers that changes nothing, because DDP averages gradients and the sum of per-rank pieces is the
+whole. BatchNorm is different: in its FORWARD pass it normalises with the mean and variance of the
+batch it sees. Under DDP each rank normalises with the statistics of its own B/N samples, so with
+small per-rank batches (common with large images, detection, segmentation) the model computes
+something different, and noisier, than the model you meant to train on the batch of B.
+
+SyncBatchNorm fixes the forward: every rank contributes per-channel [sum, sum of squares, count] to
+ONE all_reduce, and normalises with the global mean and variance. The backward needs one more
+all_reduce (two per-channel sums, see minishard/syncbn.py for the derivation). This script:
+
+  1. shows the problem: each rank's per-channel batch mean vs the global one;
+  2. converts a model with minishard.convert_sync_batchnorm BEFORE wrapping it in DDP;
+  3. asserts that N ranks with SyncBatchNorm compute exactly what ONE process computes with plain
+     BatchNorm on the whole batch: the outputs, and the parameters after a few SGD steps;
+  4. prints what that costs per BN layer, from minishard's communication ledger.
+"""
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import minishard
+from minishard import comm
+
+PER_RANK = 2   # samples per rank: small on purpose, that is when BatchNorm statistics suffer
+STEPS = 3
+
+
+def make_model() -> nn.Module:
+    """A small conv net with three BatchNorm layers (2d, 2d, 1d). Same seed: same weights on every
+    rank and in the one-process reference."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4))
+
+
+def main() -> None:
+    # gloo runs on CPU; the timeout turns a rank stuck in a collective into an error, not a hang.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    B = PER_RANK * world
+    say(f"{world} ranks x {PER_RANK} samples = global batch of {B}\n")
+
+    # Every rank draws the SAME global batch from the same seed and keeps its own slice. (A real job
+    # would use a DistributedSampler; this way each rank can also compute the reference itself.)
+    # Like photos, each image gets its own brightness per colour channel (the (B, 3, 1, 1) term):
+    # a couple of images are a poor sample of the whole batch's statistics.
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(B, 3, 8, 8, generator=gen) + 2 * torch.randn(B, 3, 1, 1, generator=gen),
+                torch.randn(B, 4, generator=gen)) for _ in range(STEPS)]
+    mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    # ---------------------------------------------------------------- 1. the small-batch problem
+    # What the first BatchNorm sees: the first conv's output. Its per-channel mean over the samples
+    # THIS rank holds, vs over the global batch.
+    features = make_model()[0](batches[0][0]).detach()          # (B, 8, 8, 8), the whole batch
+    global_mean = features.mean(dim=(0, 2, 3))
+    local_mean = features[mine].mean(dim=(0, 2, 3))
+    # Collect every rank's local mean on every rank (through minishard's one door to collectives).
+    all_local = torch.empty(world, global_mean.numel())
+    comm.all_gather(all_local.view(-1), local_mean, tag="tutorial")
+    say("1. Per-channel mean of the first BatchNorm's input (first 4 of 8 channels):")
+    say(f"   global batch : {fmt(global_mean[:4])}")
+    for r in range(world):
+        gap = (all_local[r] - global_mean).abs().max().item()
+        say(f"   rank {r}       : {fmt(all_local[r][:4])}   max |rank - global| = {gap:.3f}")
+    say("   Plain BatchNorm under DDP normalises each rank with ITS row, not the global one.\n")
+
+    # ----------------------------------------------------------------------- 2. convert, then DDP
+    reference = make_model()   # ONE process, plain BatchNorm, the whole batch: what we want
+    plain = DDP(make_model())  # DDP without conversion: per-rank statistics (for contrast)
+    # Convert BEFORE wrapping: DDP registers the module's parameters when it is built. The
+    # converted layers keep the very same Parameter and buffer objects.
+    synced = DDP(minishard.convert_sync_batchnorm(make_model()))
+    say("2. Converted before DDP:", ", ".join(
+        f"layer {name} -> {type(m).__name__}" for name, m in synced.module.named_modules()
+        if isinstance(m, minishard.SyncBatchNorm)))
+    say("   Outputs on this rank's samples vs the one-process reference on the whole batch:")
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            for m in (reference, plain, synced)]
+    for step, (x, target) in enumerate(batches):
+        for opt in opts:
+            opt.zero_grad()
+        # The reference's loss is the mean over the global batch. Each DDP rank takes the mean over
+        # its slice; DDP averages the gradients over the N equal slices: the same gradient.
+        out_ref = reference(x)
+        F.mse_loss(out_ref, target).backward()
+        out_plain = plain(x[mine])
+        F.mse_loss(out_plain, target[mine]).backward()
+        out_sync = synced(x[mine])
+        F.mse_loss(out_sync, target[mine]).backward()
+        for opt in opts:
+            opt.step()
+
+        # ---------------------------------------------------------------- 3. the equality we want
+        torch.testing.assert_close(out_sync, out_ref[mine], rtol=1e-4, atol=1e-5)
+        say(f"   step {step}: |SyncBatchNorm - reference| = "
+            f"{(out_sync - out_ref[mine]).abs().max().item():.1e}   "
+            f"|plain BatchNorm - reference| = {(out_plain - out_ref[mine]).abs().max().item():.2f}")
+
+    for (name, p_ref), p_sync in zip(reference.named_parameters(), synced.module.parameters()):
+        torch.testing.assert_close(p_sync, p_ref, rtol=1e-4, atol=1e-5, msg=name)
+    for (name, b_ref), b_sync in zip(reference.named_buffers(), synced.module.buffers()):
+        torch.testing.assert_close(b_sync, b_ref, rtol=1e-4, atol=1e-5, msg=name)  # running stats
+    say(f"\n3. After {STEPS} SGD steps every parameter and running statistic on every rank equals\n"
+        "   single-process BatchNorm training on the global batch (asserted).\n")
+
+    # ------------------------------------------------------------------------- 4. what it costs
+    # One forward + backward with the ledger on: every collective this rank issues is recorded.
+    # (DDP's own gradient all_reduce goes through torch directly, so only SyncBatchNorm shows up.)
+    x, target = batches[0]
+    with minishard.ledger() as led:
+        F.mse_loss(synced(x[mine]), target[mine]).backward()
+    bns = [m for m in synced.module.modules() if isinstance(m, minishard.SyncBatchNorm)]
+    # Per BN layer with C channels: forward [sum, sum of squares] per channel + the count = 2C+1
+    # numbers; backward [sum dy, sum dy*x_hat] per channel = 2C. Float64, so the variance survives
+    # inputs whose mean dwarfs their spread (see "Numerics" in minishard/syncbn.py).
+    expected = sorted([2 * m.num_features + 1 for m in bns] + [2 * m.num_features for m in bns])
+    assert sorted(e.numel for e in led.entries) == expected, led.table()
+    assert all(e.op == "all_reduce" for e in led.entries)
+    say("4. Communication of one forward + backward, per BN layer (bytes sent by each rank):")
+    say("   " + led.table().replace("\n", "\n   "))
+    say("   O(C) numbers per layer whatever the batch or world size (stock torch.nn.SyncBatchNorm\n"
+        "   all-gathers per-rank statistics instead: O(C x N)). In eval mode: nothing at all.")
+    synced.eval()
+    with minishard.ledger() as led, torch.no_grad():
+        synced(x[mine])
+    assert led.count() == 0
+
+    dist.destroy_process_group()
+
+
+def fmt(t: torch.Tensor) -> str:
+    return "[" + " ".join(f"{v:+.3f}" for v in t.tolist()) + "]"
+
+
+if __name__ == "__main__":
+    main()
