@@ -35,13 +35,13 @@ def _global_batch(step: int, world: int, per_rank: int, *shape) -> torch.Tensor:
 def syncbn_equals_global_batchnorm(rank: int, world: int) -> None:
     _say("\n1. SyncBatchNorm: N small batches normalised as ONE global batch")
     x = _global_batch(0, world, 2, 4, 5, 5) * 3 + 1   # 2 images per rank: tiny batches
-    mine = x[2 * rank:2 * rank + 2]
+    mine = x[2 * rank:2 * rank + 2].clone().requires_grad_()  # as if a conv layer came before
     local_bn, global_bn = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
     sync_bn = minishard.SyncBatchNorm(4)
     with minishard.ledger() as led:
         y_sync = sync_bn(mine)
         y_sync.square().sum().backward()
-    y_local, y_global = local_bn(mine), global_bn(x)[2 * rank:2 * rank + 2]
+    y_local, y_global = local_bn(mine.detach()), global_bn(x)[2 * rank:2 * rank + 2]
     err_sync = (y_sync - y_global).abs().max().item()
     err_local = (y_local - y_global).abs().max().item()
     assert err_sync < 1e-5 and err_local > 1e-2, (err_sync, err_local)
@@ -99,8 +99,10 @@ def stage3_timeline(rank: int, world: int) -> None:
         with model.record_events() as events:
             model(torch.randn(4, 64)).sum().backward()
         peaks["one unit" if units is None else "per block"] = model.peak_gathered_bytes
-    line = " ".join(f"{e['event'][0].upper()}{e['unit']}" for e in events if e["unit"] != "<root>")
-    _say(f"   one step, per block (G=gather F=forward/free B=backward R=reduce):\n   {line}")
+    mark = {"gather": "G", "forward": "f", "free": "x", "backward": "b", "reduce": "R"}
+    line = " ".join(f"{mark[e['event']]}{e['unit']}" for e in events if e["unit"] != "<root>")
+    _say("   one step, per block unit (G gather, f forward, x free, b backward, R reduce-scatter):"
+         f"\n   {line}")
     assert peaks["per block"] * 6 == peaks["one unit"]
     _say(f"   peak of full parameters held: {fmt_bytes(peaks['one unit'])} as one unit, "
          f"{fmt_bytes(peaks['per block'])} per block")
