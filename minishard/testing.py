@@ -159,8 +159,9 @@ class RankPool:
                 q.put(None)
             except (OSError, ValueError):
                 pass
+        deadline = time.monotonic() + 3.0  # a clean exit normally takes milliseconds
         for p in self._procs:
-            p.join(timeout=2)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         _kill(self._procs)
         self._procs.clear()
 
