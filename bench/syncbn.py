@@ -1,0 +1,64 @@
+"""The cost of synchronising BatchNorm: minishard.SyncBatchNorm vs plain BatchNorm2d, per layer.
+
+    torchrun --standalone --nproc_per_node=2 bench/syncbn.py [--channels 64] [--steps 50]
+
+Prints the median forward+backward time of one layer (plain BatchNorm2d: no communication;
+minishard.SyncBatchNorm: one all-reduce each way), interleaved step by step, and the bytes each
+rank sends per layer per step, next to what stock torch.nn.SyncBatchNorm's design sends: it
+all-gathers every rank's (mean, invstd, count) in forward, (2C+1)·N values, and all-reduces 2C
+values in backward. minishard sends 2C+1 and 2C (fp64 statistics: see syncbn.py).
+"""
+import argparse
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minishard
+from minishard.comm import ring_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--size", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    C = args.channels
+    x = torch.randn(args.batch, C, args.size, args.size, requires_grad=True)
+    layers = {"BatchNorm2d (no sync)": nn.BatchNorm2d(C), "minishard.SyncBatchNorm": minishard.SyncBatchNorm(C)}
+    times = {name: [] for name in layers}
+    sent = {}
+    for i in range(args.steps + 5):
+        for name, layer in layers.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            with minishard.ledger() as led:
+                layer(x).square().mean().backward()
+            if i >= 5:
+                times[name].append(time.perf_counter() - t0)
+                sent[name] = float(led.total_bytes())
+    stock_fp32 = ring_bytes("all_gather", (2 * C + 1) * world * 4, world) + \
+        ring_bytes("all_reduce", 2 * C * 4, world)
+    if rank == 0:
+        print(f"{world} ranks, input {tuple(x.shape)} per rank, {args.steps} interleaved steps\n")
+        print(f"{'layer':<28}{'fwd+bwd ms':>11}{'bytes sent/step':>17}")
+        base = statistics.median(times["BatchNorm2d (no sync)"])
+        for name in layers:
+            med = statistics.median(times[name])
+            print(f"{name:<28}{1000 * med:>11.3f}{sent[name]:>17.0f}   ({med / base:.2f}x)")
+        print(f"{'stock SyncBatchNorm design':<28}{'(GPU only)':>11}{float(stock_fp32):>17.0f}"
+              f"   all_gather (2C+1)·N fp32 + all_reduce 2C fp32")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
