@@ -455,8 +455,10 @@ class ZeRO(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally, with no communication: each unit keeps its FULL
-        gradient (more memory) until the first backward outside the block reduces the sum.
+        """Accumulate gradients locally, with no gradient communication: each unit keeps its
+        FULL gradient (more memory) until the first backward outside the block reduces the sum.
+        (Stage 3 still all-gathers the parameters it freed, as FSDP does: only the reductions
+        are skipped.)
         Without ``no_sync``, every backward reduce-scatters into the shard gradient instead:
         less memory, more communication. Both give the same numbers."""
         previous, self._sync_grads = self._sync_grads, False

@@ -1,0 +1,635 @@
+"""Training-grade features of the ZeRO engine, each against an independent oracle.
+
+    mixed precision   vs FSDP1 / FSDP2 with the same bf16 policy, vs single-process fp32, and the
+                      Ledger's dtypes and bytes (gathers move param_dtype, reductions reduce_dtype)
+    clip_grad_norm_   vs torch.nn.utils.clip_grad_norm_ on the unsharded model, global batch
+    accumulation      no_sync() and plain repeated backward vs one big batch; no reductions inside
+                      no_sync; full grads held inside it, shard grads outside
+    prefetch          bitwise the same numbers and the same Ledger; stage-3 peak within bounds
+    checkpointing     torch.utils.checkpoint inside (and around) a unit vs the oracle
+
+The oracle is always the plain module trained in ONE process on the global batch (every rank's
+micro-batches concatenated), so it shares no code with the engine. Every rank checks its own
+view and the tests compare across ranks where that matters.
+
+Tolerances: fp32 runs vs the oracle differ only by the order of floating-point sums (the
+reductions average per rank, the oracle averages the whole batch): rtol 1e-4, atol 1e-5.
+bf16 runs vs FSDP (3 Adam steps, lr 1e-2, eps 1e-3): atol 1e-2 per element and mean |diff|
+<= 5e-4 (bf16 has 8 mantissa bits; observed: bitwise equal at ws 1-2, <= 8e-4 max at ws 4).
+bf16 vs the fp32 oracle: loose, see ``_assert_close_to_fp32``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import event, given, settings, strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+import minishard
+from minishard import comm
+
+BF16, FP32 = torch.bfloat16, torch.float32
+DTYPES = {"bf16": BF16, "fp32": FP32}
+FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+BF16_FSDP_ATOL = 1e-2       # per element, bf16 runs vs FSDP1/FSDP2
+BF16_FSDP_MEAN_ATOL = 5e-4  # mean |diff| over all elements (observed <= 5e-5)
+REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+def _examples(fraction: float) -> int:
+    """A share of the active hypothesis profile's budget (ci: 25), for the expensive properties."""
+    return max(2, round(settings().max_examples * fraction))
+
+
+# ---------------------------------------------------------------------------------- the model
+class MLP(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """A residual block; with ``ckpt="inner"`` its forward checkpoints its MLP."""
+
+    def __init__(self, width: int, hidden: int, ckpt: str = "none") -> None:
+        super().__init__()
+        self.norm, self.mlp, self.ckpt = nn.LayerNorm(width), MLP(width, hidden), ckpt
+
+    def forward(self, x):
+        h = self.norm(x)
+        h = checkpoint(self.mlp, h, use_reentrant=False) if self.ckpt == "inner" else self.mlp(h)
+        return x + h
+
+
+class Net(nn.Module):
+    """stem -> blocks -> head. Options:
+    tie     "none" | "stem_head" (head.weight IS stem.weight: one unit, two users)
+            | "across" (the last block's fc1.weight IS the first block's: owned by the root unit)
+    frozen  "none" | "stem" | "block" (one block's fc2 has requires_grad=False)
+    ckpt    "none" | "inner" (each block checkpoints its MLP) | "outer" (the root checkpoints
+            each whole block, so a unit's own hooks run again during backward)
+    early_stop  checkpoint's default stops recomputing once it has every saved tensor, so an
+            outer-checkpointed unit's post-forward hook never runs in backward; False runs
+            the whole recomputation, post-forward hook included
+    buffer  a non-BatchNorm float buffer used in forward (mixed precision casts it)
+    """
+
+    def __init__(self, width, hidden, blocks, tie="none", frozen="none", ckpt="none",
+                 buffer=False, early_stop=True) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(Block(width, hidden, ckpt) for _ in range(blocks))
+        self.head = nn.Linear(width, width)
+        self.outer_ckpt, self.early_stop = ckpt == "outer", early_stop
+        if tie == "stem_head":
+            self.head.weight = self.stem.weight
+        elif tie == "across":
+            self.blocks[-1].mlp.fc1.weight = self.blocks[0].mlp.fc1.weight
+        if frozen == "stem":
+            self.stem.requires_grad_(False)
+        elif frozen == "block":
+            self.blocks[1].mlp.fc2.requires_grad_(False)
+        if buffer:
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, width))
+        else:
+            self.scale = None
+
+    def forward(self, x):
+        with set_checkpoint_early_stop(self.early_stop):
+            x = self.stem(x)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False) if self.outer_ckpt else block(x)
+            if self.scale is not None:
+                x = x * self.scale
+            return self.head(x)
+
+
+def make_model(cfg: dict) -> Net:
+    torch.manual_seed(cfg["seed"])
+    return Net(cfg["width"], cfg["hidden"], cfg["blocks"], cfg.get("tie", "none"),
+               cfg.get("frozen", "none"), cfg.get("ckpt", "none"), cfg.get("buffer", False),
+               cfg.get("early_stop", True))
+
+
+def _is_mlp(module: nn.Module) -> bool:
+    return isinstance(module, MLP)
+
+
+UNITS = {
+    "block": {Block},          # one unit per block (+ the root: stem, head, shared weights)
+    "nested": {Block, MLP},    # a block's MLP is a unit inside the block's unit
+    "mlp_predicate": _is_mlp,  # units chosen by a predicate
+    "whole": None,             # the whole model is one unit
+}
+
+
+def make_data(cfg: dict, ws: int, steps: int, micro: int = 1):
+    """Per step, inputs and targets of shape (ws, micro, batch, width): rank r's j-th micro-batch
+    is [r, j]; the global batch of the step is all of it."""
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    shape = (ws, micro, cfg["batch"], cfg["width"])
+    return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+            for _ in range(steps)]
+
+
+def loss_fn(out, y):
+    return F.mse_loss(out.float(), y)
+
+
+def flat_batch(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+def oracle_train(base: nn.Module, data, make_opt, clip=None):
+    """The plain module, one process, the global batch. ``clip=(frac, norm_type)`` clips with
+    max_norm = frac * (the unclipped norm). Returns (module, losses, norms, max_norms)."""
+    model = copy.deepcopy(base)
+    opt = make_opt(model.parameters())
+    losses, norms, max_norms = [], [], []
+    for x, y in data:
+        loss = loss_fn(model(flat_batch(x)), flat_batch(y))
+        loss.backward()
+        if clip is not None:
+            frac, norm_type = clip
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            max_norms.append(frac * torch.nn.utils.get_total_norm(grads, norm_type).item())
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norms[-1],
+                                                        norm_type))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return model, losses, norms, max_norms
+
+
+def sgd(lr=0.1):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def adam(lr=1e-2, eps=1e-8):
+    return lambda params: torch.optim.Adam(params, lr=lr, eps=eps)
+
+
+# Adam with eps=1e-3 for the bf16 comparisons: with the default 1e-8 Adam's first step is
+# lr * sign(g), so a gradient that bf16 summation order rounds to exactly 0 on one side and to
+# +-1e-4 on the other moves that element by a full lr (observed: 0.0100 at ws 4, lr 1e-2).
+BF16_ADAM = adam(lr=1e-2, eps=1e-3)
+
+
+def param_names(module: nn.Module) -> list[str]:
+    """Every name a parameter is reachable by (tied weights: all of them), as state_dict has."""
+    return [n for n, _ in module.named_parameters(remove_duplicate=False)]
+
+
+def assert_params_close(got: dict, oracle: nn.Module, **tol) -> float:
+    """``got`` (a full state dict) against the oracle's parameters; returns the max |diff|."""
+    want = oracle.state_dict()
+    worst = 0.0
+    for name in param_names(oracle):
+        torch.testing.assert_close(got[name].float(), want[name].float(), **tol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        worst = max(worst, (got[name].float() - want[name].float()).abs().max().item())
+    return worst
+
+
+def assert_equal_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max()}"
+
+
+def ledger_summary(led: comm.Ledger) -> dict:
+    """Per op: (calls, elements, bytes sent), exact."""
+    return {op: (led.count(op), led.numel(op), led.total_bytes(op))
+            for op in sorted({e.op for e in led.entries})}
+
+
+def train_zero(base, cfg, stage, data, make_opt, **zero_kwargs):
+    """Wrap a copy of ``base`` (units: cfg["units"], default per block) and train one step per
+    element of ``data`` (one micro-batch each). Returns (model, optimizer, losses, output
+    dtypes, ledger)."""
+    rank = dist.get_rank()
+    model = minishard.ZeRO(copy.deepcopy(base), stage=stage,
+                           units=UNITS[cfg.get("units", "block")], **zero_kwargs)
+    opt = make_opt(model.parameters())
+    losses, out_dtypes = [], []
+    with comm.ledger() as led:
+        for x, y in data:
+            out = model(x[rank, 0])
+            out_dtypes.append(out.dtype)
+            loss = loss_fn(out, y[rank, 0])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+    return model, opt, losses, out_dtypes, led
+
+
+def _global_loss(local_losses):
+    """The mean over ranks of each step's local loss (= the global-batch loss: equal batches)."""
+    t = torch.stack([l.double() for l in local_losses])
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)  # an oracle-side collective, outside any ledger
+    return torch.stack(gathered).mean(0)
+
+
+# --------------------------------------------------------------------------- 1. mixed precision
+def _fsdp1(module, stage, ws):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    strategy = {0: ShardingStrategy.NO_SHARD, 1: ShardingStrategy.SHARD_GRAD_OP,
+                2: ShardingStrategy.SHARD_GRAD_OP, 3: ShardingStrategy.FULL_SHARD}[stage]
+    return FSDP(module, sharding_strategy=strategy, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                mixed_precision=MixedPrecision(param_dtype=BF16, reduce_dtype=BF16,
+                                               buffer_dtype=BF16),
+                device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def _fsdp1_full_params(model) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    with FSDP.summon_full_params(model, writeback=False):
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().float().clone()
+                for n, p in model.named_parameters()}
+
+
+def _fsdp2(module, stage, ws):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cpu", (ws,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
+    for block in module.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+    fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=stage == 3)
+    return module
+
+
+def _fsdp2_full_params(model) -> dict:
+    return {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _train_fsdp(wrap, full_params, base, stage, data, make_opt):
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    model = wrap(copy.deepcopy(base), stage, ws)
+    opt = make_opt(model.parameters())
+    losses, out_dtypes = [], []
+    for x, y in data:
+        out = model(x[rank, 0])
+        out_dtypes.append(out.dtype)
+        loss = loss_fn(out, y[rank, 0])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return full_params(model), losses, out_dtypes
+
+
+def _assert_close_to_fp32(got: dict, oracle: nn.Module, base: nn.Module) -> float:
+    """bf16 training vs fp32 training: Adam moves each element by about lr per step whatever the
+    gradient's size, so a per-element bound is meaningless. Instead: the distance between the
+    two runs is small against the distance the fp32 run travelled from the initial weights."""
+    start, want = base.state_dict(), oracle.state_dict()
+    names = [n for n, p in oracle.named_parameters() if p.requires_grad]
+    gap = torch.cat([(got[n].float() - want[n]).reshape(-1) for n in names]).norm()
+    moved = torch.cat([(want[n] - start[n]).reshape(-1) for n in names]).norm()
+    assert gap <= 0.1 * moved, f"bf16 run is {gap:.3g} from fp32, which moved {moved:.3g}"
+    return (gap / moved).item()
+
+
+def mixed_precision_matches_fsdp(cfg: dict, stage: int, steps: int = 3):
+    ws = dist.get_world_size()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps)
+    policy = minishard.MixedPrecision(param_dtype=BF16, reduce_dtype=BF16, buffer_dtype=BF16)
+    model, opt, losses, out_dtypes, _ = train_zero(base, cfg, stage, data, BF16_ADAM,
+                                                   mixed_precision=policy)
+    assert out_dtypes == [BF16] * steps, "outputs are computed in param_dtype"
+    assert all(p.dtype == FP32 for p in model.parameters()), "master shards stay fp32"
+    mine = model.full_state_dict()
+    report = {}
+    for name, wrap, full in (("fsdp1", _fsdp1, _fsdp1_full_params),
+                             ("fsdp2", _fsdp2, _fsdp2_full_params)):
+        theirs, their_losses, their_dtypes = _train_fsdp(wrap, full, base, stage, data, BF16_ADAM)
+        assert their_dtypes == [BF16] * steps
+        assert set(theirs) <= set(mine)
+        for n, t in theirs.items():
+            torch.testing.assert_close(mine[n].float(), t, rtol=0, atol=BF16_FSDP_ATOL,
+                                       msg=lambda m, n=n, name=name: f"{name} {n}: {m}")
+        diff = torch.cat([(mine[n].float() - t).abs().reshape(-1) for n, t in theirs.items()])
+        assert diff.mean() <= BF16_FSDP_MEAN_ATOL, f"{name}: mean |diff| {diff.mean():.3g}"
+        torch.testing.assert_close(torch.stack(losses), torch.stack(their_losses),
+                                   rtol=0, atol=BF16_FSDP_ATOL)
+        report[name] = diff.max().item()
+    oracle, oracle_losses, _, _ = oracle_train(base, data, BF16_ADAM)
+    report["vs_fp32"] = _assert_close_to_fp32(mine, oracle, base)
+    torch.testing.assert_close(_global_loss(losses).float(), torch.stack(oracle_losses),
+                               rtol=0.05, atol=0.05)
+    return report
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.16))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["none", "stem_head"]), frozen=st.sampled_from(["none", "block"]),
+       seed=st.integers(0, 2**16))
+def test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32(pools, ws, stage, width, hidden, blocks,
+                                                       batch, tie, frozen, seed):
+    """stage 3 <-> FULL_SHARD / reshard_after_forward=True; 1, 2 <-> SHARD_GRAD_OP /
+    reshard_after_forward=False; 0 <-> NO_SHARD. Same bf16 policy, 3 Adam steps."""
+    cfg = dict(width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie, frozen=frozen,
+               seed=seed)
+    event(f"world size {ws}")
+    reports = pools(ws).run(mixed_precision_matches_fsdp, cfg, stage)
+    assert len({str(r) for r in reports}) == 1  # every rank saw the same full parameters
+
+
+def mixed_precision_dtypes_and_bytes(cfg: dict, stage: int, param_dtype: str | None,
+                                     reduce_dtype: str | None, steps: int = 3):
+    pdtype, rdtype = DTYPES.get(param_dtype), DTYPES.get(reduce_dtype)
+    compute = pdtype or FP32
+    base = make_model(cfg)
+    data = make_data(cfg, dist.get_world_size(), steps)
+    policy = minishard.MixedPrecision(param_dtype=pdtype, reduce_dtype=rdtype, buffer_dtype=BF16)
+    model, opt, _, out_dtypes, led = train_zero(base, cfg, stage, data, adam(),
+                                                mixed_precision=policy)
+    _, _, _, ref_dtypes, ref = train_zero(base, cfg, stage, data, adam())
+    assert ref_dtypes == [FP32] * steps and out_dtypes == [compute] * steps
+    # the optimizer's world stays fp32: master shards, their grads, Adam's moments
+    assert all(p.dtype == FP32 for p in model.parameters())
+    for p in model.parameters():
+        for v in opt.state[p].values():
+            assert not v.is_floating_point() or v.dtype == FP32
+    # non-BatchNorm float buffers are kept in buffer_dtype
+    assert model.module.scale.dtype == BF16
+    # every gather moves param_dtype: the fp32 run's calls and elements, at param_dtype's size
+    # (bf16: half the bytes)
+    size = {dt: Fraction(torch.empty((), dtype=dt).element_size(), 4) for dt in (BF16, FP32)}
+    assert all(e.dtype == compute for e in led.entries if e.op == "all_gather"), led.table()
+    assert led.count("all_gather") == ref.count("all_gather")
+    assert led.numel("all_gather") == ref.numel("all_gather")
+    assert led.total_bytes("all_gather") == ref.total_bytes("all_gather") * size[compute]
+    if stage == 0:
+        assert led.count("all_gather") == 0  # full params are local: the cast is local too
+    else:  # stage 3 every step; 1 and 2 lazily refresh the full params after each step
+        assert led.count("all_gather") > 0
+    # every reduction runs in reduce_dtype (default: the compute dtype, as FSDP)
+    reduce_in = rdtype or compute
+    for op in REDUCTIONS:
+        assert all(e.dtype == reduce_in for e in led.entries if e.op == op), led.table()
+        assert led.count(op) == ref.count(op) and led.numel(op) == ref.numel(op)
+        assert led.total_bytes(op) == ref.total_bytes(op) * size[reduce_in]
+    assert led.count("reduce_scatter" if stage else "all_reduce") > 0
+    return float(led.total_bytes()), float(ref.total_bytes())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]),
+       param_dtype=st.sampled_from(["bf16", "bf16", None]),
+       reduce_dtype=st.sampled_from(["bf16", "fp32", None]), units=st.sampled_from(sorted(UNITS)),
+       seed=st.integers(0, 2**16))
+def test_bf16_ledger_gathers_half_the_bytes_and_reduces_in_reduce_dtype(
+        pools, ws, stage, width, hidden, blocks, batch, tie, frozen, param_dtype, reduce_dtype,
+        units, seed):
+    """Ledger of a mixed-precision run vs the same run in fp32: gathers in param_dtype,
+    reductions in reduce_dtype, same calls and elements; fp32 master shards and Adam state."""
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed, buffer=True)
+    event(f"world size {ws}")
+    totals = pools(ws).run(mixed_precision_dtypes_and_bytes, cfg, stage, param_dtype,
+                           reduce_dtype)
+    assert len(set(totals)) == 1
+
+
+# ---------------------------------------------------------------------------- 2. clip_grad_norm_
+def clip_matches_torch(cfg: dict, stage: int, norm_type: float, frac: float, steps: int = 2):
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps)
+    oracle, _, oracle_norms, max_norms = oracle_train(base, data, sgd(), clip=(frac, norm_type))
+    model = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=UNITS[cfg["units"]])
+    opt = sgd()(model.parameters())
+    norms = []
+    for (x, y), max_norm, want in zip(data, max_norms, oracle_norms):
+        loss_fn(model(x[rank, 0]), y[rank, 0]).backward()
+        with comm.ledger() as led:
+            norm = model.clip_grad_norm_(max_norm, norm_type)
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=1e-7)
+        assert norm > max_norm  # it really clipped
+        # one all-reduce of one number, except stage 0 (identical full grads: none)
+        assert [(e.op, e.numel) for e in led.entries] == ([] if stage == 0 else
+                                                          [("all_reduce", 1)])
+        opt.step()
+        opt.zero_grad()
+        norms.append(norm.item())
+    assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
+    return norms
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["stem_head", "across"]), frozen=st.sampled_from(["stem", "block"]),
+       norm_type=st.sampled_from([2.0, 1.0, float("inf")]), frac=st.floats(0.05, 0.9),
+       units=st.sampled_from(sorted(UNITS)),
+       seed=st.integers(0, 2**16))
+def test_clip_grad_norm_matches_torch_on_the_unsharded_model(
+        pools, ws, stage, width, hidden, blocks, batch, tie, frozen, norm_type, frac, units, seed):
+    """A tied weight and a frozen layer are always present; max_norm is a fraction of the true
+    norm, so every step clips."""
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed)
+    event(f"world size {ws}")
+    norms = pools(ws).run(clip_matches_torch, cfg, stage, norm_type, frac)
+    assert all(n == norms[0] for n in norms)  # every rank returns the same global norm
+
+
+# ---------------------------------------------------------------------- 3. gradient accumulation
+def accumulation_matches_big_batch(cfg: dict, stage: int, micro: int, use_no_sync: bool,
+                                   set_to_none: bool, prefetch: bool, steps: int = 2):
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps, micro)
+    oracle, _, _, _ = oracle_train(base, data, sgd())
+    model = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=UNITS[cfg["units"]],
+                           prefetch=prefetch)
+    opt = sgd()(model.parameters())
+    grad_flats = sum(p.requires_grad for p in model.parameters())  # one reduction each
+    held = {"no_sync": [], "synced": []}
+    for x, y in data:
+        for j in range(micro):
+            inside = use_no_sync and j < micro - 1
+            with (model.no_sync() if inside else contextlib.nullcontext()):
+                with comm.ledger() as fwd:
+                    out = model(x[rank, j])
+                loss = loss_fn(out, y[rank, j]) / micro
+                with comm.ledger() as bwd:
+                    loss.backward()
+            if inside:
+                ops = {e.op for e in fwd.entries + bwd.entries}
+                assert not ops & set(REDUCTIONS), bwd.table()
+                if stage < 3:  # full params live: the backward talks to nobody
+                    assert bwd.entries == [], bwd.table()
+                else:          # stage 3 must still re-gather the params it freed after forward
+                    assert ops <= {"all_gather"}, bwd.table()
+            else:
+                assert bwd.count("all_reduce" if stage == 0 else "reduce_scatter") == grad_flats
+            held["no_sync" if inside else "synced"].append(model.memory_report()["grads"])
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)  # False: the next reduction adds into zeros
+    assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
+    if use_no_sync:
+        for inside in held["no_sync"]:
+            for after in held["synced"]:
+                if stage == 0 or ws == 1:  # full grads either way (ws 1: the shard IS full)
+                    assert inside == after or (not set_to_none and inside > after)
+                else:
+                    assert inside > after  # full grads kept vs shard grads
+    else:
+        assert len(set(held["synced"])) == 1  # always just the shard grads
+    return held
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       micro=st.integers(2, 4), use_no_sync=st.booleans(), set_to_none=st.booleans(),
+       prefetch=st.booleans(), tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]), units=st.sampled_from(sorted(UNITS)),
+       seed=st.integers(0, 2**16))
+def test_gradient_accumulation_equals_one_big_batch(pools, ws, stage, width, hidden, blocks,
+                                                    batch, micro, use_no_sync, set_to_none,
+                                                    prefetch, tie, frozen, units, seed):
+    """(a) no_sync for micro-1 micro-batches, then one synced backward; (b) every backward
+    reduces into the shard grad. Both equal one big batch; no reductions inside no_sync."""
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed)
+    event(f"world size {ws}")
+    pools(ws).run(accumulation_matches_big_batch, cfg, stage, micro, use_no_sync, set_to_none,
+                  prefetch)
+
+
+# ------------------------------------------------------------------------------------ 4. prefetch
+def _unit_bytes(base: Net, ws: int, elem: int) -> tuple[int, int]:
+    """(root unit, largest block unit) full bytes, from the model's structure alone: one flat per
+    (unit, requires_grad), each padded to a multiple of ws; a weight tied across blocks belongs
+    to the root."""
+    def padded(params):
+        return math.ceil(sum(p.numel() for p in params) / ws) * ws * elem if params else 0
+
+    def flats(params):
+        return padded([p for p in params if p.requires_grad]) + \
+            padded([p for p in params if not p.requires_grad])
+
+    in_blocks = [set(map(id, b.parameters())) for b in base.blocks]
+    shared = {i for i in set.union(*in_blocks) if sum(i in s for s in in_blocks) > 1}
+    root = [p for p in base.parameters() if id(p) not in set.union(*in_blocks) or id(p) in shared]
+    blocks = [[p for p in b.parameters() if id(p) not in shared] for b in base.blocks]
+    return flats(root), max(flats(b) for b in blocks)
+
+
+def prefetch_changes_timing_not_numbers(cfg: dict, stage: int, bf16: bool, steps: int = 3):
+    ws = dist.get_world_size()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps)
+    mp = minishard.MixedPrecision(param_dtype=BF16) if bf16 else None
+    runs = {}
+    for prefetch in (False, True):
+        rank = dist.get_rank()
+        model = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=UNITS[cfg["units"]],
+                               mixed_precision=mp, prefetch=prefetch)
+        opt = adam()(model.parameters())
+        losses, peaks = [], []
+        with comm.ledger() as led:
+            for x, y in data:
+                loss = loss_fn(model(x[rank, 0]), y[rank, 0])
+                loss.backward()
+                peaks.append(model.memory_report()["peak_gathered_params"])
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        runs[prefetch] = (model.full_state_dict(), torch.stack(losses), led, peaks)
+    (s0, l0, led0, _), (s1, l1, led1, peaks) = runs[False], runs[True]
+    assert torch.equal(l0, l1)
+    assert_equal_states(s0, s1)
+    assert ledger_summary(led0) == ledger_summary(led1), f"{led0.table()}\n{led1.table()}"
+    assert sorted((e.op, e.tag, e.numel) for e in led0.entries) == \
+        sorted((e.op, e.tag, e.numel) for e in led1.entries)
+    if stage == 3 and cfg["units"] == "block":
+        root, largest = _unit_bytes(base, ws, 2 if bf16 else 4)
+        assert max(peaks) <= root + 2 * largest, (peaks, root, largest)
+        assert max(peaks) >= root + largest  # the accounting sees the gathers at all
+    return runs[True][3], runs[False][3]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]), bf16=st.booleans(),
+       units=st.sampled_from(sorted(UNITS)),
+       seed=st.integers(0, 2**16))
+def test_prefetch_is_bitwise_identical_same_bytes_bounded_peak(
+        pools, ws, stage, width, hidden, blocks, batch, tie, frozen, bf16, units, seed):
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed)
+    event(f"world size {ws}")
+    pools(ws).run(prefetch_changes_timing_not_numbers, cfg, stage, bf16)
+
+
+# ----------------------------------------------------------------------- 5. activation checkpoint
+def checkpointing_matches_oracle(cfg: dict, stage: int, prefetch: bool, steps: int = 2):
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    base = make_model(cfg)
+    plain = make_model({**cfg, "ckpt": "none"})  # the same weights, no checkpointing
+    data = make_data(cfg, ws, steps)
+    oracle, oracle_losses, _, _ = oracle_train(base, data, sgd())
+    model, _, losses, _, led = train_zero(base, cfg, stage, data, sgd(), prefetch=prefetch)
+    assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
+    torch.testing.assert_close(_global_loss(losses).float(), torch.stack(oracle_losses),
+                               **FP32_TOL)
+    # recomputation is the same arithmetic, and it gathers nothing more (stage 3: the unit is
+    # still gathered for its backward when autograd recomputes it)
+    ref, _, ref_losses, _, ref_led = train_zero(plain, cfg, stage, data, sgd(), prefetch=prefetch)
+    assert torch.equal(torch.stack(losses), torch.stack(ref_losses))
+    assert_equal_states(model.full_state_dict(), ref.full_state_dict())
+    assert ledger_summary(led) == ledger_summary(ref_led), f"{led.table()}\n{ref_led.table()}"
+    return [l.item() for l in losses]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       ckpt=st.sampled_from(["inner", "outer"]), early_stop=st.booleans(),
+       prefetch=st.booleans(), tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]), units=st.sampled_from(sorted(UNITS)),
+       seed=st.integers(0, 2**16))
+def test_activation_checkpointing_inside_units_matches_oracle(
+        pools, ws, stage, width, hidden, blocks, batch, ckpt, early_stop, prefetch, tie, frozen,
+        units, seed):
+    """inner: Block.forward checkpoints its MLP (the unit's hooks do not see the recompute);
+    outer: the root checkpoints each whole Block, so the unit's forward hooks fire again
+    inside backward (the post-forward one too without early stop) and must neither free nor
+    re-gather."""
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, ckpt=ckpt, early_stop=early_stop, seed=seed)
+    event(f"world size {ws}")
+    pools(ws).run(checkpointing_matches_oracle, cfg, stage, prefetch)
