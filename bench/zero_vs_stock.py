@@ -12,6 +12,9 @@ ledger; for the stock systems the same ring formula applied to what they communi
     stage 1   vs DDP + ZeroRedundancyOptimizer
     stage 2   vs FSDP1 SHARD_GRAD_OP, FSDP2 reshard_after_forward=False
     stage 3   vs FSDP1 FULL_SHARD, FSDP2 (default), and stage 3 with prefetch
+
+minishard runs with one unit per block (as FSDP is wrapped), and stage 0 also with the whole
+model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 """
 import argparse
 import copy
@@ -97,11 +100,12 @@ def systems(kind: str, world: int):
         fully_shard(m, reshard_after_forward=reshard)
         add(name, m, torch.optim.Adam(m.parameters(), **adam), None, (3 if reshard else 2) * ring)
     stock = {0: "torch DDP", 1: "torch DDP+ZeRO-opt", 2: "FSDP1 SHARD_GRAD_OP", 3: "FSDP1 FULL_SHARD"}
-    for stage in range(4):
-        for prefetch in ((False, True) if stage == 3 else (False,)):
-            m = minishard.ZeRO(copy.deepcopy(base), stage=stage, units={block}, prefetch=prefetch)
-            name = f"minishard stage {stage}" + (" +prefetch" if prefetch else "")
-            add(name, m, torch.optim.Adam(m.parameters(), **adam), stock[stage], None)
+    variants = [(0, {block}, False, ""), (0, None, False, " one unit"), (1, {block}, False, ""),
+                (2, {block}, False, ""), (3, {block}, False, ""), (3, {block}, True, " +prefetch")]
+    for stage, units, prefetch, suffix in variants:
+        m = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=units, prefetch=prefetch)
+        add(f"minishard stage {stage}{suffix}", m, torch.optim.Adam(m.parameters(), **adam),
+            stock[stage], None)
     return out
 
 

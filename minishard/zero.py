@@ -5,13 +5,15 @@ A *unit* is a module whose parameters (minus those of nested units) live in flat
 ``model.parameters()``, which are this rank's *shards* of those buffers. The four stages differ
 only in WHEN full tensors exist and WHEN gradients are reduced; that is this table, and nothing else:
 
-    stage  full params live        full grads live             grads reduced                optimizer sees
-    0      always (DDP)            until the step              all-reduce (avg), launched   the full flat
-                                                               per unit, awaited at the end
-    1      always                  until the end of backward   reduce-scatter, end of bwd   its shard
-    2      always                  per unit, until reduced     reduce-scatter per unit      its shard
-    3      while the unit computes per unit, until reduced     reduce-scatter per unit      its shard
+    stage  full params live         full grads live             grads reduced (avg)           optimizer sees
+    0      always (DDP)             until the step              all-reduce                    the full flat
+    1      always                   until the end of backward   reduce-scatter                its shard
+    2      always                   per unit, until reduced     reduce-scatter                its shard
+    3      while the unit computes  per unit, until reduced     reduce-scatter                its shard
 
+    every stage launches a unit's reduction as soon as autograd has finished that unit's
+    gradient (overlapping the rest of backward); 0 and 1 await them all at the end of backward,
+    2 and 3 await each soon after, which is what frees their full gradients early.
     after the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
     buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed).
 
@@ -64,18 +66,22 @@ class MixedPrecision:
 @dataclasses.dataclass(frozen=True)
 class StagePolicy:
     flat_mode: str            # FlatBuffer mode: "none" (full is the param), "view", "own"
-    reduce_per_unit: bool     # reduce a unit's grads as soon as its backward is done (else at end)
+    free_grads_early: bool    # wait for a unit's reduction soon, freeing its full gradient (2, 3)
     free_after_forward: bool  # release full params between uses (stage 3)
 
 
+# Every stage launches a unit's gradient reduction as soon as autograd has finished that unit's
+# gradient, so communication overlaps the rest of backward. Stages 0 and 1 wait for all of them
+# at the end of backward (their full gradients live until then); stages 2 and 3 keep at most
+# _MAX_REDUCTIONS_IN_FLIGHT pending, so a unit's full gradient is freed soon after it is ready.
 STAGES = {
-    0: StagePolicy("none", reduce_per_unit=True, free_after_forward=False),
-    1: StagePolicy("view", reduce_per_unit=False, free_after_forward=False),
-    2: StagePolicy("view", reduce_per_unit=True, free_after_forward=False),
-    3: StagePolicy("own", reduce_per_unit=True, free_after_forward=True),
+    0: StagePolicy("none", free_grads_early=False, free_after_forward=False),
+    1: StagePolicy("view", free_grads_early=False, free_after_forward=False),
+    2: StagePolicy("view", free_grads_early=True, free_after_forward=False),
+    3: StagePolicy("own", free_grads_early=True, free_after_forward=True),
 }
 
-_MAX_REDUCTIONS_IN_FLIGHT = 2  # bounds the memory of full grads waiting for their reduce-scatter
+_MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
 
 
 # ----------------------------------------------------------------------------------- units
@@ -395,7 +401,7 @@ class ZeRO(nn.Module):
         def post_backward(full: torch.Tensor) -> None:
             self._start_backward()
             self._note_full_grads()
-            if self.policy.reduce_per_unit and self._sync_grads:
+            if self._sync_grads:
                 self._reduce(unit, flat)
             if self.policy.free_after_forward:
                 self._free(unit, flat)
@@ -415,12 +421,12 @@ class ZeRO(nn.Module):
         nbytes = flat.padded_numel * flat.full.element_size()
         handle = flat.reduce_grad(async_op=True, reduce_dtype=self.mp.reduce_dtype)
         self._in_flight.append((handle, nbytes))
-        while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+        while self.policy.free_grads_early and len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
             self._in_flight.pop(0)[0].wait()
 
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass."""
-        for unit in reversed(self.units):  # units whose grads were not reduced yet (stage 1, unused)
+        for unit in reversed(self.units):  # units that got no gradient this time: send zeros
             for flat in unit.flats:
                 if flat.requires_grad and self._sync_grads:
                     self._reduce(unit, flat)
