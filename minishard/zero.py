@@ -115,6 +115,31 @@ def _detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
         return [v.detach() for v in flat.views()]
 
 
+def _weak_hook(engine, method, *keys):
+    """A hook calling ``method(engine, *keys, *hook_args)`` that does not keep ``engine`` alive."""
+    ref = weakref.ref(engine)
+
+    def hook(*args):
+        alive = ref()
+        return None if alive is None else method(alive, *keys, *args)
+    return hook
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls ``callback``: autograd runs it once the
+    gradient has flowed through the whole unit down to its inputs."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
 def _cast_floats(tree, dtype: torch.dtype):
     from torch.utils._pytree import tree_map
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -304,9 +329,6 @@ class ZeRO(nn.Module):
                                   param_dtype=compute, name=tag)
                 unit.flats.append(flat)
                 unit.bindings.append([places[p] for p in params])
-                if rg:
-                    flat.full.register_post_accumulate_grad_hook(
-                        self._make_post_backward(unit, flat))
             for params_places in unit.bindings:
                 for bindings in params_places:
                     for b in bindings:
@@ -320,32 +342,76 @@ class ZeRO(nn.Module):
 
     # --------------------------------------------------------------------------------- hooks
     def _register_hooks(self) -> None:
-        for unit in self.units:
-            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            unit.module.register_forward_hook(self._make_post_forward(unit))
+        """Hooks live on modules and tensors that the engine owns; they reach the engine through
+        a weak reference (``_weak_hook``), so no reference cycle keeps a dropped model alive
+        until the garbage collector runs (at interpreter exit, too late for torch.distributed)."""
+        for i, unit in enumerate(self.units):
+            unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i))
+            unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
+            for j, flat in enumerate(unit.flats):
+                if flat.requires_grad:
+                    flat.full.register_post_accumulate_grad_hook(
+                        _weak_hook(self, ZeRO._post_backward, i, j))
 
-    def _make_pre_forward(self, unit: Unit):
+    def _pre_forward(self, i: int, module, args):
+        unit = self.units[i]
         is_root = unit.module is self.module
+        if is_root and not self._in_backward:
+            self.peak_gathered_bytes = self._gathered_bytes
+            if not self.policy.free_after_forward:
+                # Stages 1-2: the optimizer step changed the shards; refresh every unit's full
+                # buffer now, asynchronously; each unit waits for its own before it runs.
+                for u in self.units:
+                    self._gather(u, async_op=True)
+        if not self._order_recorded and unit not in self._order:
+            self._order.append(unit)
+        self._gather(unit)
+        unit.bind_views()
+        self._log("forward", unit)
+        if self.prefetch and not self._in_backward:
+            self._prefetch_after(unit, step=+1)
+        if is_root and self.mp.param_dtype is not None:
+            args = _cast_floats(args, self.mp.param_dtype)
+        if (self.policy.free_after_forward and torch.is_grad_enabled()
+                and any(not f.requires_grad for f in unit.flats)):
+            # Frozen buffers have no gradient hook to say when the unit's backward is over; an
+            # identity on the unit's inputs does: its backward runs once the unit's has finished.
+            args = _AfterBackward.apply(_weak_hook(self, ZeRO._free_frozen, i), *args)
+        return args
 
-        def pre_forward(module, args):
-            if is_root and not self._in_backward:
-                self.peak_gathered_bytes = self._gathered_bytes
-                if not self.policy.free_after_forward:
-                    # Stages 1-2: the optimizer step changed the shards; refresh every unit's
-                    # full buffer now, asynchronously; each unit waits for its own before it runs.
-                    for u in self.units:
-                        self._gather(u, async_op=True)
-            if not self._order_recorded and unit not in self._order:
-                self._order.append(unit)
-            self._gather(unit)
-            unit.bind_views()
-            self._log("forward", unit)
-            if self.prefetch and not self._in_backward:
-                self._prefetch_after(unit, step=+1)
-            if is_root and self.mp.param_dtype is not None:
-                return _cast_floats(args, self.mp.param_dtype)
-            return None
-        return pre_forward
+    def _post_forward(self, i: int, module, args, output):
+        unit = self.units[i]
+        self._order_recorded |= unit.module is self.module
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
+        # During backward (activation-checkpoint recomputation) the params are still needed.
+        if self.policy.free_after_forward and not self._in_backward:
+            self._free(unit)
+
+    def _pre_backward(self, i: int, grad) -> None:
+        unit = self.units[i]
+        self._start_backward()
+        self._gather(unit)
+        self._log("backward", unit)
+        if self.prefetch:
+            self._prefetch_after(unit, step=-1)
+
+    def _post_backward(self, i: int, j: int, full: torch.Tensor) -> None:
+        unit, flat = self.units[i], self.units[i].flats[j]
+        self._start_backward()
+        self._note_full_grads()
+        if self._sync_grads:
+            self._reduce(unit, flat)
+        if self.policy.free_after_forward:
+            self._free(unit, flat)
+
+    def _free_frozen(self, i: int) -> None:
+        unit = self.units[i]
+        for flat in unit.flats:
+            if not flat.requires_grad:
+                self._free(unit, flat)
 
     def _prefetch_after(self, unit: Unit, step: int) -> None:
         """Start the all-gather of the unit expected to run next (forward order, or its reverse
@@ -371,41 +437,6 @@ class ZeRO(nn.Module):
                 f.free()
                 self._note_gathered()
                 self._log("free", unit)
-
-    def _make_post_forward(self, unit: Unit):
-        is_root = unit.module is self.module
-
-        def post_forward(module, args, output):
-            self._order_recorded |= is_root
-            if torch.is_grad_enabled():
-                tensors = [t for t in tree_flatten(output)[0]
-                           if isinstance(t, torch.Tensor) and t.requires_grad]
-                for t in tensors:
-                    t.register_hook(self._make_pre_backward(unit))
-            # During backward (activation-checkpoint recomputation) the params are still needed.
-            if self.policy.free_after_forward and not self._in_backward:
-                self._free(unit)
-        return post_forward
-
-    def _make_pre_backward(self, unit: Unit):
-        def pre_backward(grad):
-            self._start_backward()
-            self._gather(unit)
-            self._log("backward", unit)
-            if self.prefetch:
-                self._prefetch_after(unit, step=-1)
-            return None
-        return pre_backward
-
-    def _make_post_backward(self, unit: Unit, flat: FlatBuffer):
-        def post_backward(full: torch.Tensor) -> None:
-            self._start_backward()
-            self._note_full_grads()
-            if self._sync_grads:
-                self._reduce(unit, flat)
-            if self.policy.free_after_forward:
-                self._free(unit, flat)
-        return post_backward
 
     def _start_backward(self) -> None:
         if not self._backward_pending:
