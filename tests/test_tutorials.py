@@ -15,12 +15,22 @@ TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
 AT_FOUR = {"03_sync_batchnorm.py", "04_zero_stages.py", "06_training_loop.py"}
 
 
+# On a loaded machine, torch 2.13's gloo now and then aborts a rank at interpreter exit, AFTER
+# destroy_process_group() ("terminate called without an active exception"); a plain torch DDP
+# script does it too (about 1 run in 15 under load here). Such a run is retried once; any other
+# failure, or a second abort, fails the test.
+_EXIT_ABORT = "terminate called without an active exception"
+
+
 def torchrun(nproc: int, *target: str, timeout: float = 180) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", *target],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for attempt in (1, 2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={nproc}", *target],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if proc.returncode == 0 or _EXIT_ABORT not in proc.stderr or attempt == 2:
+            break
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 

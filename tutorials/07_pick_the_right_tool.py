@@ -1,0 +1,178 @@
+"""Tutorial 07: pick the right tool, i.e. the LOWEST ZeRO stage that fits.
+
+    torchrun --standalone --nproc_per_node=2 tutorials/07_pick_the_right_tool.py
+    torchrun --standalone --nproc_per_node=4 tutorials/07_pick_the_right_tool.py
+
+Each ZeRO stage buys memory with communication: stages 1 and 2 send the same bytes as DDP but in
+more, smaller collectives and add an all-gather after the step; stage 3 sends 1.5x the bytes (it
+gathers the parameters in forward AND in backward) and waits for each unit's gather before that
+unit can compute. So the rule is: if the model fits, plain DDP (stage 0) is simplest and fastest;
+otherwise take the lowest stage that fits, leaving room for activations.
+
+Part 1 trains a small model at every stage and MEASURES, per rank, the bytes held (tensor storage)
+and sent (the comm ledger), and the step time. It asserts that memory strictly decreases with the
+stage, that it equals the estimator's prediction, and that stage 3 sends 1.5x stage 0's bytes.
+Step times are printed but not asserted: on a shared CPU they are noise-prone, and with a model
+this small the collectives' fixed costs, not their bytes, dominate.
+
+Part 2 trusts the estimator (``python -m minishard.plan``, checked against the measurement in
+part 1 and by tests/test_plan.py) for sizes we cannot run here: 1B, 7B and 70B parameters on
+8 GPUs of 80 GB, mixed-precision Adam.
+"""
+import argparse
+import math
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minishard
+from minishard import comm
+from minishard.memory import bar_chart, fmt_bytes
+from minishard.plan import estimate, fmt_decimal, min_ranks
+
+WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128*128+128 = 16512 params per block: no padding
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.linear(x))
+
+
+def build(stage: int):
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=stage,
+                           units={Block})
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)  # built AFTER wrapping
+
+
+def step(model, opt, x) -> None:
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", help="also save a PNG of memory and step time (needs matplotlib)")
+    args = parser.parse_args()
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    assert world >= 2, "run with at least 2 ranks: with one rank every stage holds the same bytes"
+    psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
+    x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+
+    # ------------------------------------------------------------- part 1: measure every stage
+    models = {stage: build(stage) for stage in range(4)}
+    held, sent, calls = {}, {}, {}
+    for stage, (model, opt) in models.items():
+        step(model, opt, x)                   # the first step creates Adam's state
+        with minishard.ledger() as led:       # a steady-state forward + backward
+            model(x).square().mean().backward()
+        rep = model.memory_report(opt)        # params, grads and optimizer state all alive now
+        opt.step()
+        opt.zero_grad()
+        # Stage 1 frees its full gradients at the end of backward: count their peak, as the
+        # estimator (and the ZeRO paper) does, since that is what must fit.
+        grads = rep["peak_full_grads"] if stage == 1 else rep["grads"]
+        held[stage] = {"params": rep["params"], "grads": grads, "optimizer": rep["optimizer"]}
+        sent[stage], calls[stage] = led.total_bytes(), led.count()
+
+    # Time the stages INTERLEAVED (0,1,2,3, 0,1,2,3, ...), so a burst of load from other programs
+    # hits every stage alike; report the median. Barriers line the ranks up before each step.
+    times = {stage: [] for stage in models}
+    for _ in range(ROUNDS):
+        for stage, (model, opt) in models.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(model, opt, x)
+            times[stage].append(time.perf_counter() - t0)
+    median = torch.tensor([statistics.median(times[s]) for s in range(4)], dtype=torch.float64)
+    comm.all_reduce(median, "max", tag="tutorial: timing")  # the slowest rank sets the pace
+
+    predicted = estimate(psi, world, memory=math.inf)       # fp32 Adam, the ZeRO formulas
+    say(f"Part 1: {BLOCKS} x Linear({WIDTH}) = {psi:,} parameters, fp32 Adam, {world} ranks, "
+        f"batch {BATCH} per rank.\n")
+    say(f"{'stage':<6}{'held/rank':>12}{'estimator':>12}{'sent/step':>12}{'collectives':>13}"
+        f"{'step (median)':>15}")
+    for stage in range(4):
+        total = sum(held[stage].values())
+        say(f"{stage:<6}{fmt_bytes(total):>12}{fmt_bytes(predicted[stage]['total']):>12}"
+            f"{fmt_bytes(float(sent[stage])):>12}{calls[stage]:>13}{1e3 * median[stage]:>12.2f} ms")
+    say("")
+    say(bar_chart([(f"stage {s}", held[s]) for s in range(4)]))
+
+    totals = [sum(held[s].values()) for s in range(4)]
+    for s in range(4):   # the measurement is the estimator's prediction, term by term
+        assert held[s] == {k: predicted[s][k] for k in held[s]}, (s, held[s], predicted[s])
+    assert all(a > b for a, b in zip(totals, totals[1:])), totals   # strictly less per stage
+    # Bytes: 2 psi (N-1)/N for stages 0-2, 3 psi (N-1)/N for stage 3 (fp32: x 4 bytes).
+    assert sent[0] == sent[1] == sent[2] == 2 * 4 * psi * (world - 1) / world
+    assert sent[3] == sent[0] * 3 / 2
+    # Collectives per step: stage 0 one all-reduce per unit; stages 1-2 a reduce-scatter and an
+    # all-gather per unit; stage 3 two all-gathers (forward, backward) and a reduce-scatter.
+    assert [calls[s] for s in range(4)] == [BLOCKS, 2 * BLOCKS, 2 * BLOCKS, 3 * BLOCKS], calls
+    fastest = int(median.argmin())
+    say(f"\nAsserted: memory per rank strictly decreases with the stage ({fmt_bytes(totals[0])} -> "
+        f"{fmt_bytes(totals[3])}) and equals the estimator;\nstages 0-2 send the same bytes, "
+        f"stage 3 sends 1.5x; stage 0 issues {BLOCKS} collectives per step, stage 3 "
+        f"{3 * BLOCKS}.")
+    say(f"Timing (not asserted; noisy on a shared CPU): the fastest stage in this run was "
+        f"stage {fastest}; stage 3 took {median[3] / median[0]:.2f}x stage 0's time.\n")
+
+    # -------------------------------------------------- part 2: the estimator, for real sizes
+    ranks, memory = 8, 80e9
+    say(f"Part 2: model states per GPU on {ranks} GPUs of {fmt_decimal(memory)}, mixed-precision "
+        "Adam (2 + 2 + 12 bytes per parameter;\nactivations not counted: see python -m "
+        "minishard.plan --help):\n")
+    say(f"{'model':<7}" + "".join(f"{f'stage {s}':>11}" for s in range(4))
+        + "   lowest stage that fits")
+    lowest = {}
+    for params in (1e9, 7e9, 70e9):
+        rows = estimate(params, ranks, memory, "adam", mixed_precision=True)
+        fits = [r["stage"] for r in rows if r["fits"]]
+        lowest[params] = fits[0] if fits else None
+        verdict = (f"stage {fits[0]}" if fits else
+                   f"none: stage 3 needs >= {min_ranks(params, memory, 3, 'adam', True)} GPUs")
+        say(f"{params / 1e9:>4.0f}B  " + "".join(f"{fmt_decimal(r['total']):>11}" for r in rows)
+            + f"   {verdict}")
+    # 1B: 16 GB with DDP -> stage 0. 7B: DDP needs 112 GB, stage 1 (4 psi + 12 psi/8) 38.5 GB.
+    # 70B: even stage 3 (16 psi / 8 = 140 GB) is too big; 16 x 70e9 / 80e9 = 14 GPUs would do.
+    assert lowest == {1e9: 0, 7e9: 1, 70e9: None}, lowest
+    assert min_ranks(70e9, memory, 3, "adam", True) == 14
+    say("\nAsserted: 1B trains with plain DDP; 7B needs stage 1; 70B does not fit on 8 GPUs at any "
+        "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.")
+
+    if args.plot and rank == 0:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            say("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
+        else:
+            fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+            labels = [f"stage {s}" for s in range(4)]
+            left.bar(labels, [t / 1024 for t in totals])
+            left.set_ylabel("KiB held per rank")
+            right.bar(labels, [1e3 * float(m) for m in median])
+            right.set_ylabel("ms per step (median)")
+            fig.suptitle(f"{psi:,} parameters, fp32 Adam, {world} ranks")
+            fig.tight_layout()
+            fig.savefig(args.plot)
+            say(f"saved {args.plot}")
+    dist.barrier()  # let every rank finish before tearing the group down
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
