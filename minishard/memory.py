@@ -50,3 +50,16 @@ def bar_chart(rows: list[tuple[str, dict[str, float]]], width: int = 48) -> str:
         lines.append(f"{label:>{label_w}} |{bar:<{width}}| {fmt_bytes(sum(d.values()))}")
     lines.append(" " * label_w + "  " + "  ".join(f"{fills[i]} {p}" for i, p in enumerate(parts)))
     return "\n".join(lines)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only, or None (saying so) when the optional
+    ``plot`` extra is not installed: the tutorials' ``--plot FILE.png`` uses this."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
+        return None
+    return plt

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import bar_chart, fmt_bytes, zero_bytes
+from minishard.memory import bar_chart, fmt_bytes, zero_bytes, pyplot
 
 WIDTH, BLOCKS, BATCH = 96, 4, 8  # 96*96 + 96 = 9312 params per block: divisible by 2 and 4, no padding
 
@@ -99,26 +99,20 @@ def main() -> None:
     say(f"\nEvery rank holds {fmt_bytes(sum(zero_bytes(psi, world, 0).values()))} with DDP and "
         f"{fmt_bytes(sum(zero_bytes(psi, world, 3).values()))} with stage 3: 1/{world} of it. "
         "All assertions held.")
-    if args.plot and rank == 0:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            say("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
-        else:
-            fig, ax = plt.subplots(figsize=(6, 3))
-            left = [0.0] * len(rows)
-            for part in ("params", "grads", "optimizer"):
-                vals = [d[part] / 2**20 for _, d in rows]
-                ax.barh([label for label, _ in rows], vals, left=left, label=part)
-                left = [a + b for a, b in zip(left, vals)]
-            ax.set_xlabel("MiB per rank")
-            ax.set_title(f"Model state per rank, {world} ranks, fp32 Adam")
-            ax.legend()
-            fig.tight_layout()
-            fig.savefig(args.plot)
-            say(f"saved {args.plot}")
+    plt = pyplot() if args.plot and rank == 0 else None
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        left = [0.0] * len(rows)
+        for part in ("params", "grads", "optimizer"):
+            vals = [d[part] / 2**20 for _, d in rows]
+            ax.barh([label for label, _ in rows], vals, left=left, label=part)
+            left = [a + b for a, b in zip(left, vals)]
+        ax.set_xlabel("MiB per rank")
+        ax.set_title(f"Model state per rank, {world} ranks, fp32 Adam")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        say(f"saved {args.plot}")
     dist.barrier()  # let every rank finish before tearing the group down
     dist.destroy_process_group()
 

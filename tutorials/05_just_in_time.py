@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import bar_chart, fmt_bytes
+from minishard.memory import bar_chart, fmt_bytes, pyplot
 
 WIDTH, BLOCKS = 64, 6
 
@@ -86,23 +86,17 @@ def main() -> None:
         f"{fmt_bytes(peaks['per block'])} ({BLOCKS}x); prefetch holds at most two blocks. "
         "All assertions held.")
 
-    if args.plot and rank == 0:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            say("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
-        else:
-            fig, ax = plt.subplots(figsize=(7, 3))
-            ax.step([1000 * (e["t"] - t0) for e in events],
-                    [e["gathered_bytes"] / 1024 for e in events], where="post")
-            ax.set_xlabel("ms into the step")
-            ax.set_ylabel("gathered KiB")
-            ax.set_title("Stage 3: full parameters held over one step (rank 0)")
-            fig.tight_layout()
-            fig.savefig(args.plot)
-            say(f"saved {args.plot}")
+    plt = pyplot() if args.plot and rank == 0 else None
+    if plt is not None:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        ax.step([1000 * (e["t"] - t0) for e in events],
+                [e["gathered_bytes"] / 1024 for e in events], where="post")
+        ax.set_xlabel("ms into the step")
+        ax.set_ylabel("gathered KiB")
+        ax.set_title("Stage 3: full parameters held over one step (rank 0)")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        say(f"saved {args.plot}")
     dist.barrier()  # let every rank finish before tearing the group down
     dist.destroy_process_group()
 

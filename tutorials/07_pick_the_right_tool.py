@@ -31,7 +31,7 @@ from torch import nn
 
 import minishard
 from minishard import comm
-from minishard.memory import bar_chart, fmt_bytes
+from minishard.memory import bar_chart, fmt_bytes, pyplot
 from minishard.plan import estimate, fmt_decimal, min_ranks
 
 WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128*128+128 = 16512 params per block: no padding
@@ -152,24 +152,18 @@ def main() -> None:
     say("\nAsserted: 1B trains with plain DDP; 7B needs stage 1; 70B does not fit on 8 GPUs at any "
         "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.")
 
-    if args.plot and rank == 0:
-        try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            say("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
-        else:
-            fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
-            labels = [f"stage {s}" for s in range(4)]
-            left.bar(labels, [t / 1024 for t in totals])
-            left.set_ylabel("KiB held per rank")
-            right.bar(labels, [1e3 * float(m) for m in median])
-            right.set_ylabel("ms per step (median)")
-            fig.suptitle(f"{psi:,} parameters, fp32 Adam, {world} ranks")
-            fig.tight_layout()
-            fig.savefig(args.plot)
-            say(f"saved {args.plot}")
+    plt = pyplot() if args.plot and rank == 0 else None
+    if plt is not None:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
+        labels = [f"stage {s}" for s in range(4)]
+        left.bar(labels, [t / 1024 for t in totals])
+        left.set_ylabel("KiB held per rank")
+        right.bar(labels, [1e3 * float(m) for m in median])
+        right.set_ylabel("ms per step (median)")
+        fig.suptitle(f"{psi:,} parameters, fp32 Adam, {world} ranks")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+        say(f"saved {args.plot}")
     dist.barrier()  # let every rank finish before tearing the group down
     dist.destroy_process_group()
 
