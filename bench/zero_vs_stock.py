@@ -18,6 +18,7 @@ model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 """
 import argparse
 import copy
+import resource
 import statistics
 import time
 from datetime import timedelta
@@ -66,7 +67,8 @@ def build(kind: str):
 
 # ----------------------------------------------------------------------------------- systems
 def systems(kind: str, world: int):
-    """name -> (model, optimizer, stock-equivalent name or None, bytes sent per step per rank)."""
+    """name -> (build() -> (model, optimizer), stock equivalent or None, bytes sent per step per
+    rank for the stock systems: the ring formula of what they communicate; None = our ledger)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -76,37 +78,45 @@ def systems(kind: str, world: int):
     base, block, _ = build(kind)
     psi = sum(p.numel() for p in base.parameters())
     ring = (world - 1) / world * 4 * psi
-    adam = dict(lr=1e-4)
-    out = {}
+    fresh = lambda: copy.deepcopy(base)
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=1e-4)
+    with_adam = lambda m: (m, adam(m))
 
-    def add(name, model, opt, stock, sent):
-        out[name] = (model, opt, stock, sent)
+    def fsdp1(strategy):
+        return with_adam(FSDP(fresh(), sharding_strategy=strategy, use_orig_params=False,
+                              auto_wrap_policy=ModuleWrapPolicy({block}),
+                              device_id=torch.device("cpu")))
 
-    m = copy.deepcopy(base); add("floor", m, torch.optim.Adam(m.parameters(), **adam), None, 0)
-    m = DDP(copy.deepcopy(base)); add("torch DDP", m, torch.optim.Adam(m.parameters(), **adam), None, 2 * ring)
-    m = DDP(copy.deepcopy(base))
-    add("torch DDP+ZeRO-opt", m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, **adam), None, 2 * ring)
-    for name, strat in (("FSDP1 SHARD_GRAD_OP", ShardingStrategy.SHARD_GRAD_OP),
-                        ("FSDP1 FULL_SHARD", ShardingStrategy.FULL_SHARD)):
-        m = FSDP(copy.deepcopy(base), sharding_strategy=strat, auto_wrap_policy=ModuleWrapPolicy({block}),
-                 device_id=torch.device("cpu"), use_orig_params=False)
-        add(name, m, torch.optim.Adam(m.parameters(), **adam), None,
-            (3 if strat == ShardingStrategy.FULL_SHARD else 2) * ring)
-    for name, reshard in (("FSDP2 no-reshard", False), ("FSDP2", True)):
-        m = copy.deepcopy(base)
+    def fsdp2(reshard):
+        m = fresh()
         for sub in m.modules():
             if isinstance(sub, block):
                 fully_shard(sub, reshard_after_forward=reshard)
-        fully_shard(m, reshard_after_forward=reshard)
-        add(name, m, torch.optim.Adam(m.parameters(), **adam), None, (3 if reshard else 2) * ring)
-    stock = {0: "torch DDP", 1: "torch DDP+ZeRO-opt", 2: "FSDP1 SHARD_GRAD_OP", 3: "FSDP1 FULL_SHARD"}
-    variants = [(0, {block}, False, ""), (0, None, False, " one unit"), (1, {block}, False, ""),
-                (2, {block}, False, ""), (3, {block}, False, ""), (3, {block}, True, " +prefetch")]
-    for stage, units, prefetch, suffix in variants:
-        m = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=units, prefetch=prefetch)
-        add(f"minishard stage {stage}{suffix}", m, torch.optim.Adam(m.parameters(), **adam),
-            stock[stage], None)
-    return out
+        return with_adam(fully_shard(m, reshard_after_forward=reshard))
+
+    def ours(stage, units, prefetch=False):
+        return lambda: with_adam(minishard.ZeRO(fresh(), stage=stage, units=units,
+                                                prefetch=prefetch))
+
+    def ddp_zero_opt():
+        m = DDP(fresh())
+        return m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
+
+    return {
+        "floor": (lambda: with_adam(fresh()), None, 0),
+        "torch DDP": (lambda: with_adam(DDP(fresh())), None, 2 * ring),
+        "torch DDP+ZeRO-opt": (ddp_zero_opt, None, 2 * ring),
+        "FSDP1 SHARD_GRAD_OP": (lambda: fsdp1(ShardingStrategy.SHARD_GRAD_OP), None, 2 * ring),
+        "FSDP1 FULL_SHARD": (lambda: fsdp1(ShardingStrategy.FULL_SHARD), None, 3 * ring),
+        "FSDP2 no-reshard": (lambda: fsdp2(False), None, 2 * ring),
+        "FSDP2": (lambda: fsdp2(True), None, 3 * ring),
+        "minishard stage 0": (ours(0, {block}), "torch DDP", None),
+        "minishard stage 0 one unit": (ours(0, None), "torch DDP", None),
+        "minishard stage 1": (ours(1, {block}), "torch DDP+ZeRO-opt", None),
+        "minishard stage 2": (ours(2, {block}), "FSDP1 SHARD_GRAD_OP", None),
+        "minishard stage 3": (ours(3, {block}), "FSDP1 FULL_SHARD", None),
+        "minishard stage 3 +prefetch": (ours(3, {block}, True), "FSDP1 FULL_SHARD", None),
+    }
 
 
 def step(model, opt, x):
@@ -120,19 +130,24 @@ def main() -> None:
     parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--only", help="run one system alone (a fresh process: for its peak RSS)")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     table = systems(args.model, world)
+    if args.only:
+        table = {args.only: table[args.only]}
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    built = {name: factory() for name, (factory, _, _) in table.items()}
     _, _, make_batch = build(args.model)
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(4)]
     times = {name: [] for name in table}
     sent = {}
     for i in range(args.warmup + args.steps):
-        for name, (model, opt, _, _) in table.items():
+        for name, (model, opt) in built.items():
             x = batches[i % len(batches)]
             dist.barrier()
             t0 = time.perf_counter()
@@ -142,13 +157,22 @@ def main() -> None:
             if i >= args.warmup:
                 times[name].append(dt)
                 sent[name] = float(led.total_bytes())
+    if args.only:  # one system in a fresh process: its peak resident memory is its own
+        grown = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before],
+                             dtype=torch.float64)
+        dist.all_reduce(grown, op=dist.ReduceOp.MAX)
+        say(f"RSS {args.only}: peak growth {grown.item() / 1024:.1f} MiB (max over ranks), "
+            f"median {1000 * statistics.median(times[args.only]):.1f} ms/step")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     psi = sum(p.numel() for p in build(args.model)[0].parameters())
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
         f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up\n")
     say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
     # medians agree across ranks only roughly; report rank 0's, the slowest-rank max is similar
-    for name, (_, _, stock, formula) in table.items():
+    for name, (_, stock, formula) in table.items():
         ratio = f"{med[name] / med[stock]:.2f}x" if stock else ""
         mib = (sent[name] if formula is None else formula) / 2**20
         say(f"{name:<28}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}")

@@ -1,0 +1,38 @@
+"""Peak resident memory per system, each trained alone in a fresh torchrun job.
+
+    python bench/rss.py [--model mlp|gpt] [--nproc 2]
+
+Real process memory (getrusage max RSS growth after the model is built, max over ranks), so the
+stages' memory claims show up outside minishard's own accounting. Runs bench/zero_vs_stock.py
+--only SYSTEM for every system.
+"""
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = ["floor", "torch DDP", "torch DDP+ZeRO-opt", "FSDP1 SHARD_GRAD_OP", "FSDP1 FULL_SHARD",
+           "FSDP2 no-reshard", "FSDP2", "minishard stage 0", "minishard stage 1",
+           "minishard stage 2", "minishard stage 3", "minishard stage 3 +prefetch"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    parser.add_argument("--nproc", type=int, default=2)
+    args = parser.parse_args()
+    print(f"model {args.model}, {args.nproc} ranks: peak RSS growth per rank (MiB)")
+    for name in SYSTEMS:
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={args.nproc}", str(HERE / "zero_vs_stock.py"), "--model",
+             args.model, "--steps", "5", "--warmup", "2", "--only", name],
+            capture_output=True, text=True).stdout
+        m = re.search(r"peak growth ([\d.]+) MiB", out)
+        print(f"  {name:<30}{m.group(1) if m else 'failed':>8}")
+
+
+if __name__ == "__main__":
+    main()
