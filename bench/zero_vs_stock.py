@@ -12,12 +12,14 @@ ledger; for the stock systems the same ring formula applied to what they communi
     stage 1   vs DDP + ZeroRedundancyOptimizer
     stage 2   vs FSDP1 SHARD_GRAD_OP, FSDP2 reshard_after_forward=False
     stage 3   vs FSDP1 FULL_SHARD, FSDP2 (default), and stage 3 with prefetch
+    +debug    stage 3 with the MINISHARD_DEBUG collective-consistency check on, vs off
 
 minishard runs with one unit per block (as FSDP is wrapped), and stage 0 also with the whole
 model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 """
 import argparse
 import copy
+import gc
 import resource
 import statistics
 import time
@@ -116,7 +118,14 @@ def systems(kind: str, world: int):
         "minishard stage 2": (ours(2, {block}), "FSDP1 SHARD_GRAD_OP", None),
         "minishard stage 3": (ours(3, {block}), "FSDP1 FULL_SHARD", None),
         "minishard stage 3 +prefetch": (ours(3, {block}, True), "FSDP1 FULL_SHARD", None),
+        "minishard stage 3 +debug": (ours(3, {block}), "minishard stage 3", None),
     }
+
+
+def _resident_kib() -> float:
+    """Resident memory of this process now (Linux /proc), in KiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 1024
 
 
 def step(model, opt, x):
@@ -139,7 +148,7 @@ def main() -> None:
     table = systems(args.model, world)
     if args.only:
         table = {args.only: table[args.only]}
-    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_before = _resident_kib()
     built = {name: factory() for name, (factory, _, _) in table.items()}
     _, _, make_batch = build(args.model)
     gen = torch.Generator().manual_seed(rank)
@@ -151,18 +160,20 @@ def main() -> None:
             x = batches[i % len(batches)]
             dist.barrier()
             t0 = time.perf_counter()
+            minishard.comm.set_debug(name.endswith("+debug"))  # MINISHARD_DEBUG's cost
             with minishard.ledger() as led:
                 step(model, opt, x)
             dt = time.perf_counter() - t0
+            minishard.comm.set_debug(False)
             if i >= args.warmup:
                 times[name].append(dt)
                 sent[name] = float(led.total_bytes())
-    if args.only:  # one system in a fresh process: its peak resident memory is its own
-        grown = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before],
-                             dtype=torch.float64)
+    if args.only:  # one system in a fresh process: the memory it holds is its own
+        gc.collect()
+        grown = torch.tensor([_resident_kib() - rss_before], dtype=torch.float64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
-        say(f"RSS {args.only}: peak growth {grown.item() / 1024:.1f} MiB (max over ranks), "
-            f"median {1000 * statistics.median(times[args.only]):.1f} ms/step")
+        say(f"RSS {args.only}: resident growth {grown.item() / 1024:.1f} MiB after the steps "
+            f"(max over ranks), median {1000 * statistics.median(times[args.only]):.1f} ms/step")
         dist.barrier()
         dist.destroy_process_group()
         return

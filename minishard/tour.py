@@ -1,6 +1,6 @@
 """A live tour of minishard's headline results, measured on the spot.
 
-    torchrun --standalone --nproc_per_node=2 -m minishard.tour      (or 4 ranks)
+    torchrun --standalone --nproc_per_node=2 -m minishard.tour      (or 4 ranks; --plot FILE.png)
 
 1. SyncBatchNorm on N small per-rank batches equals BatchNorm on the one global batch, while plain
    per-rank BatchNorm does not; one all-reduce each way per layer.
@@ -11,6 +11,7 @@ Every claim printed is asserted; nothing is pasted.
 """
 from __future__ import annotations
 
+import argparse
 import os
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import bar_chart, fmt_bytes, zero_bytes
+from minishard.memory import bar_chart, fmt_bytes, pyplot, zero_bytes
 
 
 def _say(*args) -> None:
@@ -89,6 +90,7 @@ def zero_memory_and_traffic(rank: int, world: int) -> None:
         rows.append((f"stage {stage}", {"params": m["params"], "grads": grads,
                                         "optimizer": m["optimizer"]}))
     _say("\n" + "\n".join("   " + line for line in bar_chart(rows, width=40).splitlines()))
+    return rows
 
 
 def stage3_timeline(rank: int, world: int) -> None:
@@ -106,6 +108,7 @@ def stage3_timeline(rank: int, world: int) -> None:
     assert peaks["per block"] * 6 == peaks["one unit"]
     _say(f"   peak of full parameters held: {fmt_bytes(peaks['one unit'])} as one unit, "
          f"{fmt_bytes(peaks['per block'])} per block")
+    return events
 
 
 def stage3_equals_one_process(rank: int, world: int) -> None:
@@ -124,16 +127,46 @@ def stage3_equals_one_process(rank: int, world: int) -> None:
     _say(f"   after 3 AdamW steps, max |param difference| = {err:.1e}")
 
 
+def _plot(path: str, rows, events) -> None:
+    """Per-rank memory by stage, and the stage-3 timeline of gathered bytes (rank 0's)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.2))
+    base = [0.0] * len(rows)
+    for part in ("params", "grads", "optimizer"):
+        vals = [d[part] / 1024 for _, d in rows]
+        left.barh([label for label, _ in rows], vals, left=base, label=part)
+        base = [a + b for a, b in zip(base, vals)]
+    left.set_xlabel("KiB held per rank")
+    left.legend()
+    t0 = events[0]["t"]
+    right.step([1000 * (e["t"] - t0) for e in events],
+               [e["gathered_bytes"] / 1024 for e in events], where="post")
+    right.set_xlabel("ms into one stage-3 step")
+    right.set_ylabel("gathered KiB")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"saved {path}")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description="minishard's live tour (run with torchrun)")
+    parser.add_argument("--plot", help="also save a PNG of memory per stage and the stage-3 "
+                                       "timeline (needs matplotlib: pip install 'minishard[plot]')")
+    args = parser.parse_args()
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     _say(f"minishard tour: {world} gloo ranks on CPU (torch {torch.__version__})")
-    for part in (syncbn_equals_global_batchnorm, zero_memory_and_traffic, stage3_timeline,
-                 stage3_equals_one_process):
-        part(rank, world)
+    syncbn_equals_global_batchnorm(rank, world)
+    rows = zero_memory_and_traffic(rank, world)
+    events = stage3_timeline(rank, world)
+    stage3_equals_one_process(rank, world)
     _say("\nEvery number above was measured in this run, and every claim asserted.")
+    if args.plot and rank == 0:
+        _plot(args.plot, rows, events)
     dist.barrier()
     dist.destroy_process_group()
 

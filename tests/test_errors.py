@@ -99,6 +99,27 @@ def debug_rank_skips_syncbn():
         comm.set_debug(False)
 
 
+class TwoBlocks(nn.Module):
+    """Runs its blocks in an order that depends on the rank: the bug the debug check catches."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3, bias=False)
+
+    def forward(self, x):
+        first, second = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        return second(first(x))
+
+
+def debug_units_in_rank_dependent_order():
+    model = minishard.ZeRO(TwoBlocks(), stage=3, units={nn.Linear})
+    comm.set_debug(True, timeout=5)
+    try:
+        model(torch.randn(2, 3))
+    finally:
+        comm.set_debug(False)
+
+
 # ----------------------------------------------------------------------------------- SyncBN
 @pytest.mark.parametrize("shape, dtype, match", [
     ((4, 5), "float32", r"expected 3 channels in dim 1 of the input, got shape \(4, 5\)"),
@@ -213,3 +234,9 @@ def test_debug_mode_turns_a_skipped_syncbn_into_an_error(pools):
     with pytest.raises(RankError, match=r"(?s)rank \d raised: .*DIFFERENT collectives:.*"
                                         r"SyncBatchNorm\(4\) forward.*SyncBatchNorm\(5\) forward"):
         pools(2).run(debug_rank_skips_syncbn)
+
+
+def test_debug_mode_catches_units_run_in_a_different_order(pools):
+    with pytest.raises(RankError, match=r"(?s)DIFFERENT collectives:.*rank 0: all_gather .* from a/"
+                                        r".*rank 1: all_gather .* from b/"):
+        pools(2).run(debug_units_in_rank_dependent_order)
