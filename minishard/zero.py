@@ -537,7 +537,9 @@ class ZeRO(nn.Module):
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
         """Full parameters visible on every rank inside the block (like FSDP's
-        ``summon_full_params``). With ``writeback``, edits to them are kept."""
+        ``summon_full_params``). With ``writeback``, edits to them are kept. Without it, stage 3
+        drops them; stages 0-2 keep them all the same, because there the full parameters share
+        storage with the shards (as FSDP's NO_SHARD does)."""
         for unit in self.units:
             self._gather(unit)
             unit.bind_views(detached=True)
