@@ -35,7 +35,7 @@ from torch import nn
 
 from minishard import comm
 
-__all__ = ["FlatBuffer"]
+__all__ = ["FlatBuffer", "reduce_grads"]
 
 
 class FlatBuffer:
@@ -153,38 +153,58 @@ class FlatBuffer:
             self.shard.copy_(mine.reshape(self.shard.shape).to(self.dtype))
 
     # ------------------------------------------------------------------------------ gradients
-    def reduce_grad(self, async_op: bool = False, reduce_dtype: torch.dtype | None = None):
-        """Average ``full.grad`` over the ranks into ``shard.grad`` (accumulating), free it.
-
-        mode "none": an all-reduce of the whole flat gradient (DDP); otherwise a reduce-scatter,
-        after which this rank keeps only its slice. A rank that computed no gradient for this
-        buffer sends zeros: every rank must join every collective.
-        """
+    def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Detach ``full.grad`` from the buffer (freeing it here) in the dtype to reduce in. A
+        rank that computed no gradient for this buffer sends zeros: every rank must join every
+        collective."""
         grad = self.full.grad
         if grad is None:
             grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.full.device)
         self.full.grad = None
-        rdtype = reduce_dtype or grad.dtype
-        send = grad if grad.dtype == rdtype else grad.to(rdtype)
-        if self.mode == "none":
-            handle = comm.all_reduce(send, "avg", self.group, async_op=True, tag=self.name)
-            out = send
+        return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
+
+    def add_shard_grad(self, piece: torch.Tensor) -> None:
+        """Accumulate this rank's reduced slice (``piece``: k elements, or the whole flat in mode
+        "none") into ``shard.grad``, padding dropped, in the master dtype."""
+        g = (piece if self.mode == "none" else piece[:self.shard_real]).to(self.dtype)
+        if self.shard.grad is None:
+            self.shard.grad = g
         else:
-            out = torch.empty(self.shard_numel, dtype=rdtype, device=send.device)
-            handle = comm.reduce_scatter(out, send, "avg", self.group, async_op=True,
-                                         tag=self.name)
+            self.shard.grad.add_(g)
 
-        def land() -> None:
-            handle.wait()
-            g = out[:self.shard_real] if self.mode != "none" else out
-            g = g.to(self.dtype)
-            if self.shard.grad is None:
-                self.shard.grad = g
-            else:
-                self.shard.grad.add_(g)
 
-        result = comm.Handle(then=land)
-        if not async_op:
-            result.wait()
-            return None
-        return result
+def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:
+    """Average the full gradients of ``flats`` (same group and mode) over the ranks in ONE
+    collective, into each one's ``shard.grad``; returns a handle to wait on.
+
+    Mode "none" (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
+    after which each rank keeps its slice of every buffer. For that, each rank's slices of the
+    buffers must sit side by side in the buffer we send::
+
+        flat A (k=2): [a0 a1 | a2 a3]          flat B (k=3): [b0 b1 b2 | b3 b4 b5]
+        send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each viewed as N x k, joined on dim 1)
+        rank 0 receives [a0 a1 b0 b1 b2]: A's shard, then B's; rank 1 the other half.
+
+    One collective for several small buffers costs one per-call latency instead of several.
+    """
+    first = flats[0]
+    grads = [f.take_grad(reduce_dtype) for f in flats]
+    tag = "+".join(f.name for f in flats)
+    if first.mode == "none":
+        send = grads[0] if len(grads) == 1 else torch.cat(grads)
+        handle = comm.all_reduce(send, "avg", first.group, async_op=True, tag=tag)
+        out, sizes = send, [f.padded_numel for f in flats]
+    else:
+        n = first.world
+        send = grads[0] if len(grads) == 1 else torch.cat([g.view(n, -1) for g in grads], 1)
+        out = send.new_empty(sum(f.shard_numel for f in flats))
+        handle = comm.reduce_scatter(out, send.reshape(-1), "avg", first.group, async_op=True,
+                                     tag=tag)
+        sizes = [f.shard_numel for f in flats]
+
+    def land() -> None:
+        handle.wait()
+        for flat, piece in zip(flats, torch.split(out, sizes)):
+            flat.add_shard_grad(piece)
+
+    return comm.Handle(then=land)

@@ -47,7 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from minishard import comm
-from minishard.flat import FlatBuffer
+from minishard.flat import FlatBuffer, reduce_grads
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
 
@@ -82,6 +82,10 @@ STAGES = {
 }
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
+# Stages 0-1 keep every full gradient until the end of backward anyway, so units whose gradients
+# are ready are coalesced into one collective of up to this many bytes (DDP's buckets do the
+# same): one per-call latency instead of one per unit.
+_BUCKET_BYTES = 4 * 2**20
 
 
 # ----------------------------------------------------------------------------------- units
@@ -231,6 +235,7 @@ class ZeRO(nn.Module):
         self._in_backward = False
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
+        self._bucket: list[FlatBuffer] = []  # stages 0-1: ready gradients not yet launched
         self._sync_grads = True             # False inside no_sync()
         self._order: list[Unit] = []        # units in the order the first forward ran them
         self._order_recorded = False
@@ -383,7 +388,8 @@ class ZeRO(nn.Module):
         unit = self.units[i]
         self._order_recorded |= unit.module is self.module
         if torch.is_grad_enabled():
-            for t in tree_flatten(output)[0]:
+            outputs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
         # During backward (activation-checkpoint recomputation) the params are still needed.
@@ -449,11 +455,25 @@ class ZeRO(nn.Module):
             return
         self._reduced.add(id(flat))
         self._log("reduce", unit)
-        nbytes = flat.padded_numel * flat.full.element_size()
-        handle = flat.reduce_grad(async_op=True, reduce_dtype=self.mp.reduce_dtype)
-        self._in_flight.append((handle, nbytes))
-        while self.policy.free_grads_early and len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
-            self._in_flight.pop(0)[0].wait()
+        if self.policy.free_grads_early:
+            self._launch([flat])
+            while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+                self._in_flight.pop(0)[0].wait()
+            return
+        if self._bucket and self._bucket[0].param_dtype != flat.param_dtype:
+            self._flush_bucket()  # one collective moves one dtype
+        self._bucket.append(flat)
+        if sum(f.full_bytes() for f in self._bucket) >= _BUCKET_BYTES:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        if self._bucket:
+            self._launch(self._bucket)
+            self._bucket = []
+
+    def _launch(self, flats: list[FlatBuffer]) -> None:
+        nbytes = sum(f.full_bytes() for f in flats)
+        self._in_flight.append((reduce_grads(flats, self.mp.reduce_dtype), nbytes))
 
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass."""
@@ -461,6 +481,7 @@ class ZeRO(nn.Module):
             for flat in unit.flats:
                 if flat.requires_grad and self._sync_grads:
                     self._reduce(unit, flat)
+        self._flush_bucket()
         for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight.clear()
@@ -611,14 +632,16 @@ class ZeRO(nn.Module):
         optimizer to count its state for our shards), and two peaks of the last step:
         ``peak_gathered_params`` (stage 3: full parameters gathered at once; the others keep
         them all) and ``peak_full_grads`` (unsharded gradients alive at once during backward)."""
-        params = grads = 0
+        params = 0
+        grads: dict[int, int] = {}  # by storage: coalesced shard grads share one
         for unit in self.units:
             for f in unit.flats:
                 shares_storage = f.mode == "view" or f.shard is f.full
                 params += f.full.untyped_storage().nbytes()
                 params += 0 if shares_storage else f.shard.untyped_storage().nbytes()
-                held = {id(g): g for g in (f.full.grad, f.shard.grad) if g is not None}
-                grads += sum(g.untyped_storage().nbytes() for g in held.values())
+                for g in (f.full.grad, f.shard.grad):
+                    if g is not None:
+                        grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
         opt = 0
         if optimizer is not None:
             mine = {id(p) for p in self.parameters()}
@@ -626,6 +649,6 @@ class ZeRO(nn.Module):
                 if id(p) in mine:
                     opt += sum(v.numel() * v.element_size() for v in state.values()
                                if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return {"params": params, "grads": grads, "optimizer": opt,
+        return {"params": params, "grads": sum(grads.values()), "optimizer": opt,
                 "peak_gathered_params": self.peak_gathered_bytes,
                 "peak_full_grads": self.peak_full_grad_bytes}
