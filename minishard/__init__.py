@@ -1,22 +1,26 @@
 """minishard: SyncBatchNorm and ZeRO-1/2/3 from raw torch.distributed collectives.
 
-Public names only; see the modules for the story:
-  comm.py     the one door to collectives, and the Ledger that counts their bytes
+Public names only; the modules tell the story:
+  comm.py     the one door to collectives, the Ledger that counts their bytes, the debug check
   syncbn.py   SyncBatchNorm (autograd Function + module) and convert/revert helpers
   flat.py     FlatBuffer: a unit's parameters as views of one padded 1-D buffer
   zero.py     the ZeRO engine, stages 0-3
+  state.py    checkpoints: per-rank shard files, atomic, reshardable; full optimizer export
+  memory.py   the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
   testing.py  RankPool: warm gloo ranks for tests
+  tour.py     torchrun --standalone --nproc_per_node=2 -m minishard.tour
 """
-from minishard import comm
+from minishard import comm, state
 from minishard.comm import ledger
-from minishard.zero import STAGES, MixedPrecision, ZeRO
-
-__all__ = ["comm", "ledger", "ZeRO", "STAGES", "MixedPrecision"]
-from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-
-__all__ += ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
 from minishard.state import (full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
                              load_full_optimizer_state_dict, save_checkpoint)
+from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from minishard.zero import STAGES, MixedPrecision, ZeRO
 
-__all__ += ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "full_optimizer_state_dict",
-            "load_full_optimizer_state_dict"]
+__all__ = [
+    "comm", "state", "ledger",
+    "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
+    "ZeRO", "STAGES", "MixedPrecision",
+    "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+    "full_optimizer_state_dict", "load_full_optimizer_state_dict",
+]
