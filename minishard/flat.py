@@ -39,6 +39,10 @@ __all__ = ["FlatBuffer", "reduce_grads"]
 
 
 class FlatBuffer:
+    """The parameters ``params`` of one unit (one dtype, one requires_grad) flattened into
+    ``full``, this rank's ``shard`` of it, and the collectives that move between the two
+    (the layout and the three modes are drawn in the module docstring)."""
+
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "") -> None:
         assert mode in ("none", "view", "own"), mode
