@@ -4,7 +4,7 @@ Every collective minishard issues goes through a function in this module. That b
 
 1. One place to hide differences between torch versions and backends (the ``*_single`` names that
    torch 2.13 prefers over ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; averaging on a
-   backend that only sums).
+   backend that only sums; on gloo, all_gather done as N broadcasts, which is faster there).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
    issues is recorded with its op, dtype, element count, group size and the bytes this rank sends
    under the ring cost model below. Tests assert those bytes exactly against the ZeRO formulas.
@@ -208,13 +208,14 @@ class Handle:
     """What an async collective returns. ``wait()`` blocks until the result is in place."""
 
     def __init__(self, work=None, then=None) -> None:
-        self._work, self._then = work, then
+        self._works = work if isinstance(work, list) else [] if work is None else [work]
+        self._then = then
 
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -259,6 +260,17 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     if n == 1:
         output.copy_(shard.view_as(output))
         return _finish(None, async_op)
+    if dist.get_backend(group) == "gloo" and output.is_contiguous():
+        # gloo's all_gather is markedly slower than N broadcasts into the output's slices
+        # (each rank broadcasts its own shard: the same (N-1)/N·S bytes per rank). Same result.
+        k, r, out = shard.numel(), group_rank(group), output.view(-1)
+        mine = out[r * k:(r + 1) * k]
+        if mine.data_ptr() != shard.data_ptr():  # not already in place
+            mine.copy_(shard.reshape(-1))
+        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(n)]
+        works = [dist.broadcast(out[i * k:(i + 1) * k], src=ranks[i], group=group, async_op=True)
+                 for i in range(n)]
+        return _finish(works, async_op)
     work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return _finish(work, async_op)
 
