@@ -141,13 +141,16 @@ class FlatBuffer:
                 self.shard.data.copy_(sl)
         self._gathered_version = self.shard._version
 
-    def gather_master(self) -> torch.Tensor:
-        """A new tensor with every rank's master values (``numel`` elements, no padding), in the
-        master dtype: what a state dict needs, whatever the stage or the mixed precision."""
-        if self.mode == "none":
-            return self.shard.detach()[:self.numel].clone()
-        out = torch.empty(self.padded_numel, dtype=self.dtype, device=self.shard.device)
-        comm.all_gather(out, self._shard_padded, self.group, tag=f"{self.name} (state dict)")
+    def gather_shards(self, shard_like: torch.Tensor, what: str = "state dict") -> torch.Tensor:
+        """Every rank's ``shard_like`` (shaped like this rank's shard: the master values, or an
+        optimizer state such as Adam's ``exp_avg``) joined into a new tensor of ``numel``
+        elements, no padding: what state dicts need, whatever the stage or mixed precision."""
+        if self.mode == "none":  # every rank already holds all of it
+            return shard_like.detach()[:self.numel].clone()
+        send = shard_like.new_zeros(self.shard_numel)  # collectives need equal sizes: pad to k
+        send[:self.shard_real] = shard_like.detach()
+        out = shard_like.new_empty(self.padded_numel)
+        comm.all_gather(out, send, self.group, tag=f"{self.name} ({what})")
         return out[:self.numel]
 
     def load_master(self, values: torch.Tensor) -> None:

@@ -564,17 +564,6 @@ def _original_slots(model, param_names: list[str] | None = None) -> list[tuple[s
     return [by_alias[n] for n in names]
 
 
-def _gather_full(flat, tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's slice of a per-element state tensor, concatenated (``numel`` elements)."""
-    if flat.mode == "none":  # stage 0: every rank already holds all of it
-        return tensor.detach()[:flat.numel].clone()
-    padded = tensor.new_zeros(flat.shard_numel)  # collectives need equal sizes: pad to k
-    padded[:flat.shard_real] = tensor.detach()
-    out = tensor.new_empty(flat.padded_numel)
-    comm.all_gather(out, padded, flat.group, tag=f"{flat.name} (optimizer state)")
-    return out[:flat.numel]
-
-
 def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = None) -> dict:
     """The optimizer state dict that ``type(optimizer)`` over the UNWRAPPED model would have, on
     every rank. Collective (one all-gather per state tensor at stages 1-3).
@@ -595,7 +584,7 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
         state = optimizer.state.get(flat.shard)
         if state:
             per_element, scalars = _split_state(state, flat.shard)
-            full[name] = ({k: _gather_full(flat, v) for k, v in per_element.items()}, scalars)
+            full[name] = ({k: flat.gather_shards(v, "optimizer state") for k, v in per_element.items()}, scalars)
     flat_of = {name: flat for name, flat, _ in _flats(model)}
     out, index = {"state": {}, "param_groups": []}, 0
     for group, names in zip(optimizer.param_groups, groups):

@@ -579,7 +579,7 @@ class ZeRO(nn.Module):
         values: dict[str, torch.Tensor] = {}
         for unit in self.units:
             for flat, places in zip(unit.flats, unit.bindings):
-                master = flat.gather_master()
+                master = flat.gather_shards(flat.shard)
                 for piece, shape, bindings in zip(torch.split(master, flat.numels), flat.shapes,
                                                   places):
                     for b in bindings:
