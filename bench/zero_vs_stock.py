@@ -140,6 +140,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", help="run one system alone (a fresh process: for its peak RSS)")
+    parser.add_argument("--systems", help="comma-separated names: run only these (and the floor)")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -148,6 +149,10 @@ def main() -> None:
     table = systems(args.model, world)
     if args.only:
         table = {args.only: table[args.only]}
+    elif args.systems:
+        keep = {"floor", *args.systems.split(",")}
+        keep |= {table[name][1] for name in keep if table[name][1]}  # and their stock equivalents
+        table = {name: row for name, row in table.items() if name in keep}
     rss_before = _resident_kib()
     built = {name: factory() for name, (factory, _, _) in table.items()}
     _, _, make_batch = build(args.model)

@@ -15,7 +15,8 @@ only in WHEN full tensors exist and WHEN gradients are reduced; that is this tab
     gradient (overlapping the rest of backward); 0 and 1 await them all at the end of backward,
     2 and 3 await each soon after, which is what frees their full gradients early.
     after the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
-    buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed).
+    buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed;
+    the forward coalesces them into gathers of up to _BUCKET_BYTES).
 
 The life of one stage-3 unit in one step (hooks registered by this module)::
 
@@ -47,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from minishard import comm
-from minishard.flat import FlatBuffer, reduce_grads
+from minishard.flat import FlatBuffer, gather_params, reduce_grads
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
 
@@ -84,7 +85,8 @@ STAGES = {
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
 # Stages 0-1 keep every full gradient until the end of backward anyway, so units whose gradients
 # are ready are coalesced into one collective of up to this many bytes (DDP's buckets do the
-# same): one per-call latency instead of one per unit.
+# same): one per-call latency instead of one per unit. Stages 1-2 coalesce the re-gathers after
+# the optimizer step the same way.
 _BUCKET_BYTES = 4 * 2**20
 
 
@@ -364,10 +366,7 @@ class ZeRO(nn.Module):
         if is_root and not self._in_backward:
             self.peak_gathered_bytes = self._gathered_bytes
             if not self.policy.free_after_forward:
-                # Stages 1-2: the optimizer step changed the shards; refresh every unit's full
-                # buffer now, asynchronously; each unit waits for its own before it runs.
-                for u in self.units:
-                    self._gather(u, async_op=True)
+                self._refresh_stale()
         if not self._order_recorded and unit not in self._order:
             self._order.append(unit)
         self._gather(unit)
@@ -427,6 +426,23 @@ class ZeRO(nn.Module):
         i = self._order.index(unit) + step
         if 0 <= i < len(self._order):
             self._gather(self._order[i], async_op=True)
+
+    def _refresh_stale(self) -> None:
+        """Stages 1-2: the optimizer step changed the shards. Start refreshing every full buffer
+        now, asynchronously, coalesced in forward order into gathers of up to _BUCKET_BYTES
+        (one dtype each); each unit waits for its own before it runs."""
+        order = self._order + [u for u in self.units if u not in self._order]
+        stale = [f for u in order for f in u.flats if f.mode != "none" and f.is_stale]
+        bucket: list[FlatBuffer] = []
+        for flat in stale:
+            if bucket and (bucket[0].param_dtype != flat.param_dtype
+                           or sum(f.full_bytes() for f in bucket) >= _BUCKET_BYTES):
+                gather_params(bucket)
+                bucket = []
+            bucket.append(flat)
+        if bucket:
+            gather_params(bucket)
+        self._note_gathered()
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
         for flat in unit.flats:

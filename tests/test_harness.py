@@ -53,6 +53,35 @@ def collectives_match_torch(numel_per_rank: int, dtype_name: str, seed: int):
     return float(led.total_bytes())
 
 
+_groups: dict = {}
+
+
+def subgroup_collectives_match(k: int, seed: int):
+    """The same on a group of global ranks 1..N-1 (group rank = global rank - 1): minishard's
+    gloo paths address peers by GLOBAL rank (broadcasts, the reduce-scatter's sends)."""
+    n = dist.get_world_size()
+    members = tuple(range(1, n))
+    if members not in _groups:  # new_group is collective over ALL ranks, members or not
+        _groups[members] = dist.new_group(list(members))
+    group = _groups[members]
+    if dist.get_rank() not in members:
+        return None
+    m, gr = len(members), comm.group_rank(group)
+    gen = torch.Generator().manual_seed(seed)
+    data = [torch.randn(m * k, generator=gen) for _ in range(m)]
+    shard = torch.empty(k)
+    comm.reduce_scatter(shard, data[gr].clone(), "avg", group)
+    gathered = torch.empty(m * k)
+    comm.all_gather(gathered, data[gr][:k].clone(), group)
+    b = data[gr].clone()
+    comm.broadcast(b, src=m - 1, group=group)
+    total = torch.stack(data).sum(0)
+    torch.testing.assert_close(shard, total[gr * k:(gr + 1) * k] / m)
+    assert torch.equal(gathered, torch.cat([d[:k] for d in data]))
+    assert torch.equal(b, data[m - 1])
+    return gr
+
+
 def raise_on(rank_to_fail: int):
     if dist.get_rank() == rank_to_fail:
         raise ValueError(f"deliberate failure on rank {rank_to_fail}")
@@ -78,6 +107,11 @@ def whoami():
 def test_collectives_and_ledger_match_ring_model(pools, ws, k, dtype, seed):
     totals = pools(ws).run(collectives_match_torch, k, dtype, seed)
     assert len(set(totals)) == 1
+
+
+@given(ws=st.integers(2, 4), k=st.integers(1, 9), seed=st.integers(0, 2**16))
+def test_collectives_on_a_subgroup_address_the_right_ranks(pools, ws, k, seed):
+    assert pools(ws).run(subgroup_collectives_match, k, seed) == [None, *range(ws - 1)]
 
 
 def test_pool_returns_rank_ordered_results_and_reuses_ranks(pools):

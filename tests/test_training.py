@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import unittest.mock
 from fractions import Fraction
 
 import pytest
@@ -594,6 +595,43 @@ def test_prefetch_is_bitwise_identical_same_bytes_bounded_peak(
                frozen=frozen, seed=seed)
     event(f"world size {ws}")
     pools(ws).run(prefetch_changes_timing_not_numbers, cfg, stage, bf16)
+
+
+def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
+    """Stages 0-2 coalesce reductions (0-1) and the re-gathers after a step (1-2) into
+    collectives of up to zero._BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
+    huge one everything travels together; both must train like the oracle."""
+    ws = dist.get_world_size()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps)
+    oracle, *_ = oracle_train(base, data, adam())
+    calls = {}
+    for cap in (1, 2**40):
+        with unittest.mock.patch.object(minishard.zero, "_BUCKET_BYTES", cap):
+            model, _, _, _, led = train_zero(base, cfg, stage, data, adam())
+        assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
+        calls[cap] = (led.count("all_reduce" if stage == 0 else "reduce_scatter"),
+                      led.count("all_gather"))
+    trainable = sum(f.requires_grad for u in model.units for f in u.flats)
+    regathers = steps - 1 if stage in (1, 2) else 0  # lazily, at the next step's forward
+    reduce_each = stage == 2  # stage 2 reduces each unit as soon as it is ready, to free it
+    assert calls[1] == (steps * trainable, regathers * trainable), calls
+    assert calls[2**40] == (steps * (trainable if reduce_each else 1), regathers), calls
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@settings(max_examples=_examples(0.2))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]),
+       units=st.sampled_from(sorted(UNITS)), seed=st.integers(0, 2**16))
+def test_coalescing_changes_the_number_of_collectives_not_the_numbers(
+        pools, ws, stage, width, hidden, blocks, batch, tie, frozen, units, seed):
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed)
+    event(f"world size {ws}")
+    pools(ws).run(bucketing_changes_calls_not_numbers, cfg, stage)
 
 
 # ----------------------------------------------------------------------- 5. activation checkpoint

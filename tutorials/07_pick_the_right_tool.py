@@ -120,10 +120,11 @@ def main() -> None:
     assert sent[3] == sent[0] * 3 / 2
     # Collectives per step: stages 0-1 keep full gradients to the end of backward, so they
     # reduce every unit's in ONE collective (this model is far below the 4 MiB bucket): one
-    # all-reduce for stage 0, one reduce-scatter plus an all-gather per unit for stage 1; stage 2
-    # reduce-scatters each unit as soon as it is done (to free its full gradient) and
-    # all-gathers it; stage 3 also gathers each unit twice (forward, backward).
-    assert [calls[s] for s in range(4)] == [1, 1 + BLOCKS, 2 * BLOCKS, 3 * BLOCKS], calls
+    # all-reduce for stage 0, one reduce-scatter for stage 1; stage 2 reduce-scatters each unit
+    # as soon as it is done (to free its full gradient). After the step, stages 1-2 re-gather
+    # every updated unit in ONE all-gather; stage 3 gathers each unit twice per step (forward,
+    # backward) and reduce-scatters it once.
+    assert [calls[s] for s in range(4)] == [1, 2, BLOCKS + 1, 3 * BLOCKS], calls
     fastest = int(median.argmin())
     say(f"\nAsserted: memory per rank strictly decreases with the stage ({fmt_bytes(totals[0])} -> "
         f"{fmt_bytes(totals[3])}) and equals the estimator;\nstages 0-2 send the same bytes, "
