@@ -14,6 +14,10 @@ ledger; for the stock systems the same ring formula applied to what they communi
     stage 3   vs FSDP1 FULL_SHARD, FSDP2 (default), and stage 3 with prefetch
     +debug    stage 3 with the MINISHARD_DEBUG collective-consistency check on, vs off
 
+"ms blocked" (minishard only) is the time a step spent waiting for collectives to finish (the
+ledger's ``blocked_s``): the communication NOT hidden behind computation. Prefetch is judged by
+how much of it disappears.
+
 minishard runs with one unit per block (as FSDP is wrapped), and stage 0 also with the whole
 model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 """
@@ -159,6 +163,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(4)]
     times = {name: [] for name in table}
+    blocked = {name: [] for name in table}  # minishard only: ms waiting on collectives
     sent = {}
     for i in range(args.warmup + args.steps):
         for name, (model, opt) in built.items():
@@ -172,6 +177,7 @@ def main() -> None:
             minishard.comm.set_debug(False)
             if i >= args.warmup:
                 times[name].append(dt)
+                blocked[name].append(led.blocked_s)
                 sent[name] = float(led.total_bytes())
     if args.only:  # one system in a fresh process: the memory it holds is its own
         gc.collect()
@@ -185,13 +191,22 @@ def main() -> None:
     psi = sum(p.numel() for p in build(args.model)[0].parameters())
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
         f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up\n")
-    say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}")
+    say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
+        f"{'ms blocked':>12}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
+    waited = {name: statistics.median(ts) * 1000 for name, ts in blocked.items()}
     # medians agree across ranks only roughly; report rank 0's, the slowest-rank max is similar
     for name, (_, stock, formula) in table.items():
         ratio = f"{med[name] / med[stock]:.2f}x" if stock else ""
         mib = (sent[name] if formula is None else formula) / 2**20
-        say(f"{name:<28}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}")
+        wait = f"{waited[name]:.1f}" if formula is None else "-"
+        say(f"{name:<28}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}"
+            f"{wait:>12}")
+    off, on = "minishard stage 3", "minishard stage 3 +prefetch"
+    if off in table and on in table and waited[off] > 0:
+        say(f"\nprefetch: stage 3 blocked {waited[off]:.1f} ms/step waiting on collectives "
+            f"without it, {waited[on]:.1f} with it: {100 * (1 - waited[on] / waited[off]):.0f}% "
+            f"of the exposed communication hidden; step {med[off]:.1f} -> {med[on]:.1f} ms")
     dist.barrier()
     dist.destroy_process_group()
 
