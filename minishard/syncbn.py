@@ -85,6 +85,12 @@ def _channel_view(x: torch.Tensor):
     return dims, shape
 
 
+def _per_channel(x: torch.Tensor, shape, *vectors: torch.Tensor) -> list[torch.Tensor]:
+    """Float64 per-channel vectors, cast to x's dtype in ONE conversion and shaped (1, C, 1, ...)
+    to broadcast against x (many tiny casts cost more than the arithmetic on small layers)."""
+    return list(torch.stack(vectors).to(x.dtype).view(len(vectors), *shape[1:]).unsqueeze(1))
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
     """The math of the module doc, with exactly one all_reduce in forward and one in backward."""
 
@@ -118,11 +124,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
             running_mean.mul_(1 - m).add_(m * mean.to(running_mean.dtype))
             running_var.mul_(1 - m).add_(m * (var * n / (n - 1)).to(running_var.dtype))
 
-        # y = (x - mean)·(invstd·w) + b, elementwise in the input's dtype.
+        # y = (x - mean)·(invstd·w) + b, elementwise in the input's dtype: two passes over x.
+        # (Not x·scale + (b - mean·scale), one pass fewer: with a large mean that form subtracts
+        # two large numbers and loses the digits the float64 statistics above kept.)
         scale = invstd if weight is None else invstd * weight.to(torch.float64)
-        y = (x - mean.to(x.dtype).view(shape)) * scale.to(x.dtype).view(shape)
-        if bias is not None:
-            y = y + bias.to(x.dtype).view(shape)
+        shift = torch.zeros_like(mean) if bias is None else bias.to(torch.float64)
+        m, s, b = _per_channel(x, shape, mean, scale, shift)
+        y = torch.addcmul(b, x - m, s)
 
         ctx.save_for_backward(x, weight, mean, invstd)
         ctx.n, ctx.group, ctx.tag = n, group, tag
@@ -135,10 +143,15 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x, weight, mean, invstd = ctx.saved_tensors
         C = x.shape[1]
         dims, shape = _channel_view(x)
-        xhat = (x - mean.to(x.dtype).view(shape)) * invstd.to(x.dtype).view(shape)
+        (m,) = _per_channel(x, shape, mean)
+        centred = x - m                                                    # x̂ = centred·invstd
 
-        sum_dy = dy.sum(dims, dtype=torch.float64)                 # local part of A
-        sum_dy_xhat = (dy * xhat).sum(dims, dtype=torch.float64)   # local part of B
+        # The local parts of A and B, accumulated in float32 or better: unlike Σx² in forward,
+        # nothing here cancels beyond the rounding the products dy·centred already carry.
+        acc = torch.promote_types(x.dtype, torch.float32)
+        sums = torch.cat([dy.sum(dims, dtype=acc), (dy * centred).sum(dims, dtype=acc)])
+        sums = sums.to(torch.float64)
+        sum_dy, sum_dy_xhat = sums[:C], sums[C:] * invstd if ctx.n else sums[C:]  # n=0: NaN invstd
 
         # Parameter gradients: LOCAL sums (DDP / ZeRO average them across ranks).
         dweight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -151,9 +164,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
             A, B = AB[:C], AB[C:]
             n = ctx.n
             k = invstd if weight is None else invstd * weight.to(torch.float64)
-            # dx = w·invstd·(dy - A/n - x̂·B/n)
-            dx = (dy - (A / n).to(x.dtype).view(shape)
-                  - xhat * (B / n).to(x.dtype).view(shape)) * k.to(x.dtype).view(shape)
+            # dx = w·invstd·(dy - A/n - x̂·B/n) = (dy - centred·(invstd·B/n))·k - k·A/n
+            c, k_, kA = _per_channel(x, shape, invstd * B / n, k, k * A / n)
+            dx = torch.addcmul(-kA, torch.addcmul(dy, centred, -c), k_)
         return dx, dweight, dbias, None, None, None, None, None, None
 
 

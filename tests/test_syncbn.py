@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
 import minishard
@@ -18,8 +18,10 @@ from minishard import comm
 from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 from minishard.testing import RankError
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
-TOL = {"float32": 1e-4, "float64": 1e-10}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+# bfloat16 keeps 8 bits of mantissa: the layer's own parameters and outputs are rounded to it
+# (relative 2^-8 = 4e-3 each); the oracle runs in float64 on the same rounded inputs.
+TOL = {"float32": 1e-4, "float64": 1e-10, "bfloat16": 3e-2}
 ORACLE_FOR_DIM = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
@@ -190,7 +192,7 @@ def syncbn_matches_oracle(seed, layout, sizes, spatial, C, dtype_name, affine, t
 @given(ws=st.sampled_from([2, 3, 4, 1]), layout=st.sampled_from(["world", "explicit", "split"]),
        sizes=st.lists(st.integers(0, 4), min_size=4, max_size=4),
        spatial=st.lists(st.integers(1, 3), min_size=0, max_size=3),
-       C=st.integers(1, 5), dtype=st.sampled_from(sorted(DTYPES)), affine=st.booleans(),
+       C=st.integers(1, 5), dtype=st.sampled_from(["float32", "float64"]), affine=st.booleans(),
        track=st.booleans(), momentum=st.sampled_from([0.1, 0.3, None]),
        channels_last=st.booleans(), seed=st.integers(0, 2**16))
 def test_matches_batchnorm_on_the_global_batch(pools, ws, layout, sizes, spatial, C, dtype, affine,
@@ -198,6 +200,21 @@ def test_matches_batchnorm_on_the_global_batch(pools, ws, layout, sizes, spatial
     sizes = fix_sizes(sizes[:ws], spatial, layout_groups(ws, layout))
     pools(ws).run(syncbn_matches_oracle, seed, layout, sizes, tuple(spatial), C, dtype, affine,
                   track, momentum, channels_last)
+
+
+@settings(max_examples=10)
+@given(ws=st.sampled_from([2, 3, 4, 1]), per_rank=st.integers(4, 8),
+       spatial=st.lists(st.integers(2, 3), min_size=1, max_size=2), C=st.integers(1, 5),
+       affine=st.booleans(), channels_last=st.booleans(), seed=st.integers(0, 2**16))
+def test_bfloat16_input_tracks_the_float64_oracle(pools, ws, per_rank, spatial, C, affine,
+                                                  channels_last, seed):
+    """bfloat16 in, bfloat16 out, statistics still summed in float64. Only well-conditioned
+    batches (16+ values per channel): with two values per channel dx is a difference of
+    near-equal terms times a large invstd, and bfloat16 rounding of those terms dominates
+    (stock's elementwise math in bfloat16 has the same limit)."""
+    sizes = [per_rank] * ws
+    pools(ws).run(syncbn_matches_oracle, seed, "world", sizes, tuple(spatial), C, "bfloat16",
+                  affine, True, 0.1, channels_last)
 
 
 # ----------------------------------------------------------------- rank: cancellation (fp32)
