@@ -151,7 +151,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         acc = torch.promote_types(x.dtype, torch.float32)
         sums = torch.cat([dy.sum(dims, dtype=acc), (dy * centred).sum(dims, dtype=acc)])
         sums = sums.to(torch.float64)
-        sum_dy, sum_dy_xhat = sums[:C], sums[C:] * invstd if ctx.n else sums[C:]  # n=0: NaN invstd
+        sum_dy, sum_dy_xhat = sums[:C], sums[C:]
+        if ctx.n:  # (every rank empty: invstd is NaN and the sums are 0; keep them 0)
+            sum_dy_xhat = sum_dy_xhat * invstd
 
         # Parameter gradients: LOCAL sums (DDP / ZeRO average them across ranks).
         dweight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
