@@ -52,8 +52,7 @@ def test_tour_runs_with_torchrun():
     assert "every claim asserted" in out
 
 
-def test_plots_render_when_matplotlib_is_installed(tmp_path):
-    pytest.importorskip("matplotlib")  # the optional 'plot' extra
+def test_plots_render(tmp_path):  # matplotlib: the 'plot' extra, also in 'test'
     png = tmp_path / "timeline.png"
     torchrun(2, "tutorials/05_just_in_time.py", "--plot", str(png))
     assert png.stat().st_size > 1000
