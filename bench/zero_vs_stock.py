@@ -181,10 +181,13 @@ def main() -> None:
                 sent[name] = float(led.total_bytes())
     if args.only:  # one system in a fresh process: the memory it holds is its own
         gc.collect()
-        grown = torch.tensor([_resident_kib() - rss_before], dtype=torch.float64)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # high-water mark (Linux)
+        grown = torch.tensor([_resident_kib() - rss_before, peak_kib - rss_before],
+                             dtype=torch.float64)
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
-        say(f"RSS {args.only}: resident growth {grown.item() / 1024:.1f} MiB after the steps "
-            f"(max over ranks), median {1000 * statistics.median(times[args.only]):.1f} ms/step")
+        say(f"RSS {args.only}: resident growth {grown[0].item() / 1024:.1f} MiB after the steps, "
+            f"peak growth {grown[1].item() / 1024:.1f} MiB (max over ranks), "
+            f"median {1000 * statistics.median(times[args.only]):.1f} ms/step")
         dist.barrier()
         dist.destroy_process_group()
         return
