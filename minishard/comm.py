@@ -231,6 +231,8 @@ class Handle:
 
 
 def _finish(work, async_op: bool, then=None):
+    """Every collective is issued asynchronously; a synchronous caller waits here, so the
+    ledger's ``blocked_s`` sees that wait too."""
     handle = Handle(work, then)
     if async_op:
         return handle
@@ -251,7 +253,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     n = group_size(group)
     _before("all_reduce", tensor, tensor.numel(), group, n, tag)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = dist.all_reduce(tensor, op=red, group=group, async_op=async_op) if n > 1 else None
+    work = dist.all_reduce(tensor, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
     return _finish(work, async_op, then)
 
@@ -279,7 +281,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         works = [dist.broadcast(out[i * k:(i + 1) * k], src=_global(group, i), group=group,
                                 async_op=True) for i in range(n)]
         return _finish(works, async_op)
-    work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+    work = _all_gather_flat(output, shard, group=group, async_op=True)
     return _finish(work, async_op)
 
 
@@ -299,7 +301,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     if dist.get_backend(group) == "gloo":
         works, total = _reduce_scatter_by_exchange(shard, full, op, group, n)
         return _finish(works, async_op, total)
-    work = _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    work = _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
     then = (lambda: shard.div_(n)) if op == "avg" else None
     return _finish(work, async_op, then)
 
@@ -321,17 +323,25 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
     works = []
     for step in range(1, n):  # every rank sends to r+step while receiving from r-step
         to, frm = (r + step) % n, (r - step) % n
-        works.append(dist.isend(chunks[to], _global(group, to), group=group))
-        works.append(dist.irecv(parts[frm], _global(group, frm), group=group))
+        works.append(dist.isend(chunks[to], _global(group, to), group=group, tag=_EXCHANGE_TAG))
+        works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=_EXCHANGE_TAG))
 
     def total() -> None:
         out = shard.view(k)
-        torch.add(parts[0], parts[1], out=out)
+        in_place = out.data_ptr() == parts[r].data_ptr()  # shard IS full's own chunk
+        acc = torch.add(parts[0], parts[1], out=None if in_place else out)
         for part in parts[2:]:
-            out.add_(part)
+            acc.add_(part)
         if op == "avg":
-            out.div_(n)
+            acc.div_(n)
+        if in_place:
+            out.copy_(acc)
     return works, total
+
+
+# Point-to-point messages are matched by (peer, tag): the exchange uses a tag of its own, so a
+# user's isend/irecv between the same ranks (tag 0 by default) never takes a gradient chunk.
+_EXCHANGE_TAG = 0x6D73  # "ms"
 
 
 def _global(group, rank: int) -> int:
@@ -346,5 +356,5 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     _before("broadcast", tensor, tensor.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)
-    work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=async_op)
+    work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
     return _finish(work, async_op)

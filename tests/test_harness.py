@@ -30,6 +30,9 @@ def collectives_match_torch(numel_per_rank: int, dtype_name: str, seed: int):
         m = mine.clone(); comm.all_reduce(m, "max")
         shard = torch.empty(numel_per_rank, dtype=dtype)
         comm.reduce_scatter(shard, mine.clone(), "sum")
+        in_place = mine.clone()  # the output IS this rank's chunk of the input (FSDP does this)
+        own = in_place[r * numel_per_rank:(r + 1) * numel_per_rank]
+        comm.reduce_scatter(own, in_place, "sum")
         gathered = torch.empty(n * numel_per_rank, dtype=dtype)
         comm.all_gather(gathered, data[r][:numel_per_rank].clone())
         b = mine.clone(); comm.broadcast(b, src=n - 1)
@@ -41,12 +44,14 @@ def collectives_match_torch(numel_per_rank: int, dtype_name: str, seed: int):
     assert torch.equal(m, z)
     k = numel_per_rank
     torch.testing.assert_close(shard.double(), total[r * k:(r + 1) * k], **tol)
+    torch.testing.assert_close(own.double(), total[r * k:(r + 1) * k], **tol)
     assert torch.equal(gathered, torch.cat([d[:k] for d in data]))
     assert torch.equal(b, data[n - 1])
     # the ledger: ring cost model, bytes sent per rank, exact
     S = n * k * torch.empty((), dtype=dtype).element_size()
     expect = [("all_reduce", 2 * S), ("all_reduce", 2 * S), ("all_reduce", 2 * S),
-              ("reduce_scatter", S), ("all_gather", S), ("broadcast", S), ("all_reduce", 2 * S)]
+              ("reduce_scatter", S), ("reduce_scatter", S), ("all_gather", S), ("broadcast", S),
+              ("all_reduce", 2 * S)]
     assert [(e.op, e.bytes_sent) for e in led.entries] == \
         [(op, Fraction(b * (n - 1), n)) for op, b in expect]
     assert all(e.numel == n * k and e.group_size == n and e.dtype == dtype for e in led.entries)
@@ -82,6 +87,32 @@ def subgroup_collectives_match(k: int, seed: int):
     return gr
 
 
+def user_p2p_beside_reduce_scatter(k: int):
+    """A user's own isend/irecv (tag 0, e.g. pipeline activations) between ranks 0 and 1 while a
+    reduce_scatter is in flight, posted in opposite orders on the two ranks: neither message
+    may be taken for the other."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    full = torch.arange(n * k, dtype=torch.float32) + 100 * r
+    shard = torch.empty(k)
+    mine = torch.full((k,), -1.0) if r == 0 else torch.empty(k)
+    if r == 0:
+        handle = comm.reduce_scatter(shard, full, "sum", async_op=True)
+        user = dist.isend(mine, 1)
+    elif r == 1:
+        user = dist.irecv(mine, 0)
+        handle = comm.reduce_scatter(shard, full, "sum", async_op=True)
+    else:
+        user, handle = None, comm.reduce_scatter(shard, full, "sum", async_op=True)
+    handle.wait()
+    if user is not None:
+        user.wait()
+    want = sum(torch.arange(n * k, dtype=torch.float32)[r * k:(r + 1) * k] + 100 * q
+               for q in range(n))
+    assert torch.equal(shard, want), (shard, want)
+    assert r != 1 or torch.equal(mine, torch.full((k,), -1.0)), mine
+    return r
+
+
 def raise_on(rank_to_fail: int):
     if dist.get_rank() == rank_to_fail:
         raise ValueError(f"deliberate failure on rank {rank_to_fail}")
@@ -107,6 +138,11 @@ def whoami():
 def test_collectives_and_ledger_match_ring_model(pools, ws, k, dtype, seed):
     totals = pools(ws).run(collectives_match_torch, k, dtype, seed)
     assert len(set(totals)) == 1
+
+
+@given(ws=st.integers(2, 4), k=st.integers(1, 9))
+def test_users_point_to_point_messages_do_not_cross_a_reduce_scatter(pools, ws, k):
+    assert pools(ws).run(user_p2p_beside_reduce_scatter, k) == list(range(ws))
 
 
 @given(ws=st.integers(2, 4), k=st.integers(1, 9), seed=st.integers(0, 2**16))
