@@ -216,6 +216,11 @@ class Handle:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
         self._then = then
 
+    @property
+    def waited(self) -> bool:
+        """True once ``wait()`` has run (the result is in place)."""
+        return not self._works and self._then is None
+
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
         if self._works:

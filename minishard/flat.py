@@ -116,7 +116,10 @@ class FlatBuffer:
                                                 async_op=async_op, tag=self.name)
 
     def _start_gather(self) -> None:
-        """Make room in ``full`` (if it was freed) and mark it as holding the current shards."""
+        """Make room in ``full`` (if it was freed) and mark it as holding the current shards.
+        A gather still pending into this buffer lands first: an older gather landing after a
+        newer one would leave stale values marked current."""
+        self.wait()
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.full_bytes())
@@ -185,9 +188,10 @@ class FlatBuffer:
             self.shard.grad.add_(g)
 
 
-def gather_params(flats: list[FlatBuffer]) -> None:
+def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
     """Start ONE async all-gather that refreshes the full buffers of all ``flats`` (same group,
-    sharded, one compute dtype); each flat's ``wait()`` (or the next ``gather``) finishes it.
+    sharded, one compute dtype); any one flat's ``wait()`` (or the next gather into it) lands it
+    for all of them. Returns the shared handle.
 
     The ranks' shards travel side by side through a staging buffer, and are copied out::
 
@@ -200,7 +204,7 @@ def gather_params(flats: list[FlatBuffer]) -> None:
     most of the time. The price is the staging buffer and one copy of the gathered bytes."""
     if len(flats) == 1:
         flats[0].gather(async_op=True)
-        return
+        return flats[0]._pending or comm.Handle()
     first = flats[0]
     with torch.no_grad():
         for flat in flats:
@@ -223,6 +227,7 @@ def gather_params(flats: list[FlatBuffer]) -> None:
     shared = comm.Handle(then=land)
     for flat in flats:
         flat._pending = shared
+    return shared
 
 
 def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:

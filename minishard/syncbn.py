@@ -146,11 +146,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
         (m,) = _per_channel(x, shape, mean)
         centred = x - m                                                    # x̂ = centred·invstd
 
-        # The local parts of A and B, accumulated in float32 or better: unlike Σx² in forward,
-        # nothing here cancels beyond the rounding the products dy·centred already carry.
-        acc = torch.promote_types(x.dtype, torch.float32)
-        sums = torch.cat([dy.sum(dims, dtype=acc), (dy * centred).sum(dims, dtype=acc)])
-        sums = sums.to(torch.float64)
+        # The local parts of A and B, in float32 or better: dy·centred is not normalised (its
+        # size is |dy|·std), so in float16 it would overflow or underflow. Unlike Σx² in
+        # forward, nothing here cancels badly enough to need float64.
+        dy_acc = dy.to(torch.promote_types(x.dtype, torch.float32))
+        sums = torch.cat([dy_acc.sum(dims), (dy_acc * centred).sum(dims)]).to(torch.float64)
         sum_dy, sum_dy_xhat = sums[:C], sums[C:]
         if ctx.n:  # (every rank empty: invstd is NaN and the sums are 0; keep them 0)
             sum_dy_xhat = sum_dy_xhat * invstd

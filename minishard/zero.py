@@ -84,10 +84,12 @@ STAGES = {
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
 # Stages 0-1 keep every full gradient until the end of backward anyway, so units whose gradients
-# are ready are coalesced into one collective of up to this many bytes (DDP's buckets do the
-# same): one per-call latency instead of one per unit. Stages 1-2 coalesce the re-gathers after
-# the optimizer step the same way.
+# are ready are coalesced into one collective of about this many bytes (DDP's buckets do the
+# same; a bucket closes once it reaches the size): one per-call latency instead of one per unit.
+# Stages 1-2 coalesce the re-gathers after the optimizer step the same way, with at most
+# _MAX_GATHERS_IN_FLIGHT of them (and their staging buffers, see flat.gather_params) alive.
 _BUCKET_BYTES = 4 * 2**20
+_MAX_GATHERS_IN_FLIGHT = 2
 
 
 # ----------------------------------------------------------------------------------- units
@@ -238,6 +240,8 @@ class ZeRO(nn.Module):
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
         self._bucket: list[FlatBuffer] = []  # stages 0-1: ready gradients not yet launched
+        self._regather_queue: list[list[FlatBuffer]] = []  # stages 1-2: buckets not yet gathered
+        self._regathers: list[comm.Handle] = []             # ... and those in flight
         self._sync_grads = True             # False inside no_sync()
         self._order: list[Unit] = []        # units in the order the first forward ran them
         self._order_recorded = False
@@ -372,6 +376,8 @@ class ZeRO(nn.Module):
         self._gather(unit)
         unit.bind_views()
         self._log("forward", unit)
+        if self._regather_queue and not self._in_backward:
+            self._issue_regathers()
         if self.prefetch and not self._in_backward:
             self._prefetch_after(unit, step=+1)
         if is_root and self.mp.param_dtype is not None:
@@ -428,21 +434,29 @@ class ZeRO(nn.Module):
             self._gather(self._order[i], async_op=True)
 
     def _refresh_stale(self) -> None:
-        """Stages 1-2: the optimizer step changed the shards. Start refreshing every full buffer
-        now, asynchronously, coalesced in forward order into gathers of up to _BUCKET_BYTES
-        (one dtype each); each unit waits for its own before it runs."""
+        """Stages 1-2: the optimizer step changed the shards. Queue every stale full buffer, in
+        forward order, into coalesced gathers of about _BUCKET_BYTES (one dtype each), and start
+        the first ones now; each unit waits for the gather that carries it before it runs."""
         order = self._order + [u for u in self.units if u not in self._order]
-        stale = [f for u in order for f in u.flats if f.mode != "none" and f.is_stale]
-        bucket: list[FlatBuffer] = []
-        for flat in stale:
-            if bucket and (bucket[0].param_dtype != flat.param_dtype
-                           or sum(f.full_bytes() for f in bucket) >= _BUCKET_BYTES):
-                gather_params(bucket)
-                bucket = []
-            bucket.append(flat)
-        if bucket:
-            gather_params(bucket)
-        self._note_gathered()
+        buckets: list[list[FlatBuffer]] = []
+        for flat in (f for u in order for f in u.flats if f.mode != "none" and f.is_stale):
+            last = buckets[-1] if buckets else None
+            if (last is None or last[0].param_dtype != flat.param_dtype
+                    or sum(f.full_bytes() for f in last) >= _BUCKET_BYTES):
+                buckets.append([])
+            buckets[-1].append(flat)
+        self._regather_queue, self._regathers = buckets, []
+        self._issue_regathers()
+
+    def _issue_regathers(self) -> None:
+        """Start queued re-gathers while fewer than _MAX_GATHERS_IN_FLIGHT are unfinished. Runs
+        at every unit's pre-forward, the same program points on every rank: same order of
+        collectives everywhere. A flat gathered on its own meanwhile is no longer stale: skipped."""
+        self._regathers = [h for h in self._regathers if not h.waited]
+        while self._regather_queue and len(self._regathers) < _MAX_GATHERS_IN_FLIGHT:
+            bucket = [f for f in self._regather_queue.pop(0) if f.is_stale]
+            if bucket:
+                self._regathers.append(gather_params(bucket))
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
         for flat in unit.flats:
