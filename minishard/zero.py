@@ -16,7 +16,7 @@ only in WHEN full tensors exist and WHEN gradients are reduced; that is this tab
     2 and 3 await each soon after, which is what frees their full gradients early.
     after the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
     buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed;
-    the forward coalesces them into gathers of up to _BUCKET_BYTES).
+    the forward coalesces them into gathers of about _BUCKET_BYTES, at most two in flight).
 
 The life of one stage-3 unit in one step (hooks registered by this module)::
 
