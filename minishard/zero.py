@@ -437,6 +437,8 @@ class ZeRO(nn.Module):
         """Stages 1-2: the optimizer step changed the shards. Queue every stale full buffer, in
         forward order, into coalesced gathers of about _BUCKET_BYTES (one dtype each), and start
         the first ones now; each unit waits for the gather that carries it before it runs."""
+        for handle in self._regathers:  # a forward that skipped units left these: land them
+            handle.wait()
         order = self._order + [u for u in self.units if u not in self._order]
         buckets: list[list[FlatBuffer]] = []
         for flat in (f for u in order for f in u.flats if f.mode != "none" and f.is_stale):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import operator
+import unittest.mock
 from fractions import Fraction
 
 import pytest
@@ -645,7 +646,6 @@ def partial_forwards_use_current_params(stage, uses, steps_a, steps_b, cap_units
     units, at most two in flight. Whatever units a forward skips (their gathers left pending)
     and whichever shards were updated since, every unit a forward runs must see exactly the
     current master values."""
-    import unittest.mock
     torch.manual_seed(0)
     model = ZeRO(ABC(), stage=stage, units=nn.Linear)
     flats = {name: model.units[i + 1].flats[0] for i, name in enumerate("abc")}
@@ -687,7 +687,6 @@ def test_forwards_that_skip_units_never_see_stale_parameters(pools, stage, world
 
 def regathers_ahead_of_forward(stage, units, cap_units):
     """How many coalesced re-gathers have been issued when each unit starts computing."""
-    import unittest.mock
     model = ZeRO(nn.Sequential(*[nn.Linear(5, 5) for _ in range(units)]), stage=stage,
                  units=nn.Linear)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
