@@ -599,7 +599,7 @@ def test_prefetch_is_bitwise_identical_same_bytes_bounded_peak(
 
 def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
     """Stages 0-2 coalesce reductions (0-1) and the re-gathers after a step (1-2) into
-    collectives of up to zero._BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
+    collectives of about zero._BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
     huge one everything travels together; both must train like the oracle."""
     ws = dist.get_world_size()
     base = make_model(cfg)

@@ -18,6 +18,7 @@ pass), so a failure message names the rank, the step and the tensor.
 """
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import unittest.mock
@@ -644,25 +645,35 @@ class ABC(nn.Module):
 def partial_forwards_use_current_params(stage, uses, steps_a, steps_b, cap_units):
     """Stages 1-2 re-gather updated shards lazily, coalesced into buckets of ``cap_units``
     units, at most two in flight. Whatever units a forward skips (their gathers left pending)
-    and whichever shards were updated since, every unit a forward runs must see exactly the
-    current master values."""
+    and whichever shards were updated since, every unit a forward runs must compute with the
+    parameters the oracle (the plain model, one process, the global batch, the same two
+    optimizers) has at that step."""
+    n = dist.get_world_size()
     torch.manual_seed(0)
-    model = ZeRO(ABC(), stage=stage, units=nn.Linear)
+    oracle = ABC()
+    model = ZeRO(copy.deepcopy(oracle), stage=stage, units=nn.Linear)
     flats = {name: model.units[i + 1].flats[0] for i, name in enumerate("abc")}
-    opt_ac = torch.optim.SGD([flats["a"].shard, flats["c"].shard], lr=0.1, momentum=0.9)
-    opt_b = torch.optim.SGD([flats["b"].shard], lr=0.1)
-    x = torch.randn(3, 5, generator=torch.Generator().manual_seed(dist.get_rank()))
+    # Momentum moves even a unit a forward skipped, so a pending gather of it goes stale.
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opts = [(sgd([flats["a"].shard, flats["c"].shard]), steps_a), (sgd([flats["b"].shard]), steps_b)]
+    ref_opts = [(sgd([*oracle.a.parameters(), *oracle.c.parameters()]), steps_a),
+                (sgd(list(oracle.b.parameters())), steps_b)]
+    xg = torch.randn(3 * n, 5, generator=torch.Generator().manual_seed(1))
+    x = xg[3 * dist.get_rank():3 * dist.get_rank() + 3]
     bad = []
     cap = cap_units * flats["a"].full_bytes()
     with unittest.mock.patch.object(minishard.zero, "_BUCKET_BYTES", cap):
         for step, use in enumerate(uses):
-            model(x, use=use).sum().backward()
-            for name in use:  # the values this forward computed with, vs the master shards
-                flat = flats[name]
-                master = flat.gather_shards(flat.shard)
-                if not torch.equal(flat.full.detach()[:flat.numel], master):
+            model(x, use=use).sum().backward()       # gradients averaged over the ranks
+            (oracle(xg, use=use).sum() / n).backward()
+            for p in oracle.parameters():  # the engine reduces zeros for a skipped unit (every
+                if p.grad is None:         # rank joins every reduction): the same gradient here
+                    p.grad = torch.zeros_like(p)
+            for name in use:  # the weights this forward computed with, vs the oracle's
+                ran_with = getattr(model.module, name).weight.detach()
+                if not torch.allclose(ran_with, getattr(oracle, name).weight, atol=1e-5):
                     bad.append(f"step {step} ({use}): unit {name} ran with stale parameters")
-            for opt, steps in ((opt_ac, steps_a), (opt_b, steps_b)):
+            for opt, steps in opts + ref_opts:
                 if steps[step]:
                     opt.step()
                 opt.zero_grad()
