@@ -4,7 +4,8 @@ Public names only; the modules tell the story:
   comm.py     the one door to collectives, the Ledger that counts their bytes, the debug check
   syncbn.py   SyncBatchNorm (autograd Function + module) and convert/revert helpers
   flat.py     FlatBuffer: a unit's parameters as views of one padded 1-D buffer
-  zero.py     the ZeRO engine, stages 0-3
+  units.py    construction: finding units, tied/shared parameters' owners, flat buffers
+  zero.py     the ZeRO engine's schedule, stages 0-3: hooks, reductions, gathers
   state.py    checkpoints: per-rank shard files, atomic, reshardable; full optimizer export
   memory.py   the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
   testing.py  RankPool: warm gloo ranks for tests

@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -49,6 +48,8 @@ from torch.utils._pytree import tree_flatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
+from minishard.units import (Unit, build_units, cast_buffers, check_same_config,
+                             sync_initial_state, unit_predicate)
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
 
@@ -92,37 +93,7 @@ _BUCKET_BYTES = 4 * 2**20
 _MAX_GATHERS_IN_FLIGHT = 2
 
 
-# ----------------------------------------------------------------------------------- units
-@dataclasses.dataclass
-class _Binding:
-    """Where one flattened parameter appears in the module tree (tied params appear twice)."""
-    module: nn.Module
-    attr: str
-    fqn: str
-
-
-class Unit:
-    """One module and the flat buffers of the parameters it owns (see flat.py)."""
-
-    def __init__(self, name: str, module: nn.Module) -> None:
-        self.name, self.module = name, module
-        self.flats: list[FlatBuffer] = []
-        self.bindings: list[list[list[_Binding]]] = []  # [flat][param] -> places it appears
-
-    def bind_views(self, detached: bool = False) -> None:
-        """Point every owning module's attribute at its view of the full buffer."""
-        for flat, places in zip(self.flats, self.bindings):
-            views = flat.views() if not detached else _detached_views(flat)
-            for view, bindings in zip(views, places):
-                for b in bindings:
-                    setattr(b.module, b.attr, view)
-
-
-def _detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
-    with torch.no_grad():
-        return [v.detach() for v in flat.views()]
-
-
+# ----------------------------------------------------------------------------- helpers
 def _weak_hook(engine, method, *keys):
     """A hook calling ``method(engine, *keys, *hook_args)`` that does not keep ``engine`` alive."""
     ref = weakref.ref(engine)
@@ -152,15 +123,6 @@ def _cast_floats(tree, dtype: torch.dtype):
     from torch.utils._pytree import tree_map
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
                     else t, tree)
-
-
-def _unit_predicate(units) -> Callable[[nn.Module], bool]:
-    if units is None:
-        return lambda m: False
-    if callable(units) and not isinstance(units, type):
-        return units
-    classes = tuple(units) if isinstance(units, Iterable) else (units,)
-    return lambda m: isinstance(m, classes)
 
 
 # ------------------------------------------------------------------- global optimizer guard
@@ -223,14 +185,16 @@ class ZeRO(nn.Module):
         self.world = comm.group_size(process_group)
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
-        self._check_same_config_on_all_ranks()
+        check_same_config(module, stage, process_group)
         # The unwrapped module's names, in its own order, before the parameters move into flats:
         # state dicts and the full optimizer export (state.py) are keyed by these.
         self.param_names = [name for name, _ in module.named_parameters()]
         self._state_keys = list(module.state_dict().keys())
-        self._sync_initial_state()
-        self._cast_buffers()
-        self.units = self._build_units(_unit_predicate(units))
+        sync_initial_state(module, process_group)
+        cast_buffers(module, self.mp.buffer_dtype)
+        self.units = build_units(module, unit_predicate(units), process_group,
+                                 flat_mode=self.policy.flat_mode, param_dtype=self.mp.param_dtype,
+                                 group_of=lambda p: 0)
         self.flat_params = nn.ParameterList(
             [flat.shard for unit in self.units for flat in unit.flats])
         self._register_hooks()
@@ -255,101 +219,6 @@ class ZeRO(nn.Module):
             else:
                 unit.bind_views(detached=True)
         self._note_gathered()
-
-    # ------------------------------------------------------------------------------ building
-    def _check_same_config_on_all_ranks(self) -> None:
-        """Ranks that disagree on the stage or the model would deadlock later in mismatched
-        collectives; compare a small fingerprint now (MAX of x and of -x gives max and min)."""
-        numel = sum(p.numel() for p in self.module.parameters())
-        mine = torch.tensor([self.stage, numel, len(list(self.module.parameters()))],
-                            dtype=torch.float64)
-        both = torch.cat([mine, -mine])
-        comm.all_reduce(both, "max", self.group, tag="ZeRO config check")
-        hi, lo = both[:3], -both[3:]
-        if not torch.equal(hi, lo):
-            raise RuntimeError(
-                f"ZeRO: ranks disagree on the configuration (stage, parameter count, number of "
-                f"parameter tensors): this rank has {mine.long().tolist()}, the ranks range from "
-                f"{lo.long().tolist()} to {hi.long().tolist()}. Every rank must wrap the same model "
-                "with the same stage.")
-
-    def _sync_initial_state(self) -> None:
-        """Rank 0's values, broadcast: every rank starts from identical parameters and buffers."""
-        with torch.no_grad():
-            for name, t in list(self.module.named_parameters()) + list(self.module.named_buffers()):
-                comm.broadcast(t.data, 0, self.group, tag=f"init {name}")
-
-    def _cast_buffers(self) -> None:
-        if self.mp.buffer_dtype is None:
-            return
-        for m in self.module.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                continue  # running statistics stay fp32
-            for name, b in m._buffers.items():
-                if b is not None and b.is_floating_point():
-                    m._buffers[name] = b.to(self.mp.buffer_dtype)
-
-    def _build_units(self, is_unit: Callable[[nn.Module], bool]) -> list[Unit]:
-        root = self.module
-        named = dict(root.named_modules())
-        unit_names = [""] + [n for n, m in named.items() if n and is_unit(m)]
-
-        def unit_of(module_name: str) -> str:  # the innermost unit containing this module
-            best = ""
-            for u in unit_names:
-                if u and (module_name == u or module_name.startswith(u + ".")) and len(u) > len(best):
-                    best = u
-            return best
-
-        # Every place each parameter appears (tied weights appear more than once).
-        places: dict[nn.Parameter, list[_Binding]] = {}
-        for mname, m in named.items():
-            for attr, p in m._parameters.items():
-                if p is not None:
-                    fqn = f"{mname}.{attr}" if mname else attr
-                    places.setdefault(p, []).append(_Binding(m, attr, fqn))
-
-        # A parameter goes to the innermost unit that contains ALL its users: shared weights are
-        # never split across units, and never duplicated.
-        owner: dict[nn.Parameter, str] = {}
-        for p, bindings in places.items():
-            candidates = [unit_of(b.fqn.rsplit(".", 1)[0] if "." in b.fqn else "") for b in bindings]
-            common = candidates[0]
-            for c in candidates[1:]:
-                while not (c == common or c.startswith(common + ".") or common == ""):
-                    common = unit_of(common.rsplit(".", 1)[0]) if "." in common else ""
-            owner[p] = common
-
-        units = []
-        for uname in unit_names:
-            unit = Unit(uname or "<root>", named[uname])
-            mine = [p for p in places if owner[p] == uname]
-            groups: dict[tuple, list[nn.Parameter]] = {}
-            for p in mine:
-                groups.setdefault((p.dtype, p.requires_grad, p.device), []).append(p)
-            devices = {key[2] for key in groups}
-            if len(devices) > 1:
-                raise ValueError(
-                    f"ZeRO: unit {unit.name!r} has parameters on several devices {sorted(map(str, devices))}; "
-                    "a unit's flat buffer lives on one device. Move the module to one device "
-                    "(module.to(device)) or make the submodules on other devices units of their own.")
-            for (dtype, rg, _), params in groups.items():
-                tag = f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
-                compute = self.mp.param_dtype if dtype.is_floating_point else None
-                flat = FlatBuffer(params, self.group, mode=self.policy.flat_mode,
-                                  param_dtype=compute, name=tag)
-                unit.flats.append(flat)
-                unit.bindings.append([places[p] for p in params])
-            for params_places in unit.bindings:
-                for bindings in params_places:
-                    for b in bindings:
-                        b.module._parameters.pop(b.attr, None)
-            for p in mine:  # release the original storage; remember it to catch stale optimizers
-                p._minishard_replaced = True
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            unit.module._minishard_unit = unit.name
-            units.append(unit)
-        return units
 
     # --------------------------------------------------------------------------------- hooks
     def _register_hooks(self) -> None:
