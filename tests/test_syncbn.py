@@ -749,10 +749,11 @@ def align_layer_counters():
     """Fresh processes count layers from 0 alike; these warm ranks may have built different
     numbers of layers in earlier tests. Build throwaway layers until every rank's next index is the
     same (test scaffolding: a real job's ranks build the same model)."""
-    nxt = torch.tensor([SyncBatchNorm(1).build_index + 1])
-    dist.all_reduce(nxt, op=dist.ReduceOp.MAX)
-    while SyncBatchNorm(1).build_index + 1 < nxt.item():
-        pass
+    mine = SyncBatchNorm(1).build_index + 1  # the index the next layer built here gets
+    target = torch.tensor([mine])
+    dist.all_reduce(target, op=dist.ReduceOp.MAX)
+    for _ in range(target.item() - mine):
+        SyncBatchNorm(1)
 
 
 def rank_skips_one_of_two_same_shape_layers():
