@@ -12,11 +12,12 @@ Forward: one all_reduce of 2C+1 numbers (two when the sums cancel)
 -----------------------------------------------------------------
 Each rank first computes its LOCAL statistics per channel with a stable method, in float32 for
 float16/bfloat16/float32 inputs, in float64 for float64 ones (the "compute dtype", rounding unit
-u_in). It subtracts its first sample x0 = x[0, :, 0, ...] (a value near the data) and runs
-torch.var_mean (no Σx² anywhere) on t = x - x0: when the mean dwarfs the spread, x - x0 is exact
-(Sterbenz) and small, so the local mean x0 + mean(t) keeps digits a rounded mean would lose:
+u_in): the shifted-data method. x0 = its mean rounded to the compute dtype, t = x - x0. When the
+mean dwarfs the spread, x - x0 is exact (Sterbenz) and of the size of the spread; mean(t) is x0's
+rounding error, far below the spread, so Σt² - n_r·mean(t)² cancels nothing, and x0 + mean(t)
+keeps the digits the rounded mean x0 lost:
 
-    n_r = values per channel on rank r,   m_r = x0 + mean(t)  (float64),   M2_r = n_r·var(t)
+    n_r = values per channel on rank r,   m_r = x0 + mean(t)  (float64),   M2_r = Σt² - n_r·mean(t)²
 
 Sums can be added across ranks; means and variances cannot (not with unequal batch sizes). The
 textbook combination (Chan, Golub & LeVeque) of two groups a, b is exact::
@@ -86,10 +87,11 @@ dσ/dx_i = x̂_i/n (differentiate var = (1/n)Σ(x_j - mean)²; the Σ(x_j - mean
             = w·invstd·(dy_i - A/n - x̂_i·B/n),      A = Σ dy,  B = Σ dy·x̂  (global sums)
 
 So each rank needs only two per-channel global sums: local [Σdy, Σdy·x̂] --all_reduce(SUM)-->
-[A, B], with Σdy·x̂ = (Σdy·t - (mean - x0)·Σdy)·invstd: the elementwise sums in float32 or better (dy·(x - mean) is not normalised: in float16 it would
-overflow) and sent in float64. The parameter gradients dL/dw = Σ dy·x̂ and dL/db = Σ dy stay LOCAL
-sums over this rank's samples, exactly as stock: DDP (or the ZeRO engine) averages parameter
-gradients across ranks afterwards, and summing them here too would count them twice.
+[A, B], with Σdy·x̂ = (Σdy·t - (mean - x0)·Σdy)·invstd: the elementwise sums in float32 or
+better (dy·(x - mean) is not normalised: in float16 it would overflow) and sent in float64.
+The parameter gradients dL/dw = Σ dy·x̂ and dL/db = Σ dy stay LOCAL sums over this rank's
+samples, exactly as stock: DDP (or the ZeRO engine) averages parameter gradients across ranks
+afterwards, and summing them here too would count them twice.
 
 Latency: every collective here is a few KiB, so comm picks its algorithm by the alpha-beta model
 (``algorithm="auto"``): on gloo a direct exchange, one round instead of the ring's 2(N-1), summed
@@ -161,12 +163,12 @@ def _sum_over_group(t: torch.Tensor, group, tag: str) -> None:
         comm.all_reduce(t, "sum", group=group, tag=tag, algorithm="auto")
 
 
-def _first_sample(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x[0, :, 0, ..., 0] in ``dtype`` (exact: every input dtype fits in it), zeros if x is empty:
-    a per-channel value near the data, to subtract before any statistics (module doc)."""
-    if x.shape[0] == 0 or x.numel() == 0:
-        return torch.zeros(x.shape[1], dtype=dtype, device=x.device)
-    return x[(0, slice(None)) + (0,) * (x.dim() - 2)].to(dtype)
+def _local_shift(xa: torch.Tensor) -> torch.Tensor:
+    """This rank's per-channel mean in xa's dtype (zeros if xa is empty): the value subtracted
+    before any other statistics (module doc)."""
+    if xa.numel() == 0:
+        return torch.zeros(xa.shape[1], dtype=xa.dtype, device=xa.device)
+    return xa.mean(_channel_view(xa)[0])
 
 
 def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: str):
@@ -176,9 +178,10 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
     dims, _ = _channel_view(t)
     n_r = t.numel() // C
     zeros = torch.zeros(C, dtype=torch.float64, device=t.device)
-    if n_r:
-        var_t, mean_t = torch.var_mean(t, dims, correction=0)
-        mean_t, M2_r = mean_t.double(), var_t.double() * n_r
+    if n_r:  # t is small: Σt² - n·mean(t)² has nothing left to cancel (module doc)
+        mean_t = t.mean(dims).double()
+        sum_sq = torch.linalg.vector_norm(t, 2, dims).double().square()  # no temporary of t's size
+        M2_r = (sum_sq - n_r * mean_t * mean_t).clamp_min(0)
     else:  # an empty rank: zeros, and it still joins every collective
         mean_t = M2_r = zeros
     m_r = x0.double() + mean_t  # this rank's mean
@@ -220,11 +223,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 suffix=""):
         dims, shape = _channel_view(x)
         dtype = _compute_dtype(x)
-        # t = x - x0: the only tensor of x's size made here (y is built in it). In float32 for
-        # half inputs: one copy, shifted in place.
-        x0 = _first_sample(x, dtype)
+        # t = x - x0, x0 this rank's mean rounded to the compute dtype: the only tensor of x's
+        # size made here (y is built in it). For half inputs: one float32 copy, shifted in place.
+        xa = x.to(dtype)  # x itself unless x is half precision
+        x0 = _local_shift(xa)
         (x0_,) = _per_channel(dtype, shape, x0)
-        t = x.to(dtype).sub_(x0_) if x.dtype != dtype else x - x0_
+        t = xa - x0_ if xa is x else xa.sub_(x0_)
         n, mean, M2 = _global_stats(t, x0, group, tag, suffix)
         var = (M2 / n).clamp_min(0)  # clamp: rounding may leave a tiny negative
         invstd = torch.rsqrt(var + eps)
