@@ -27,7 +27,7 @@ Latency: for a tiny tensor the bytes hardly matter and the ring's 2(N-1) rounds 
 model prices one collective as ``rounds * ALPHA + bytes sent * BETA``::
 
     ring all_reduce     2(N-1) rounds    2(N-1)/N * S bytes sent per rank
-    direct exchange     1 round          (N-1) * S   (every rank sends its whole tensor to each other)
+    direct exchange     1 round          (N-1) * S    (its whole tensor to every other rank)
 
     direct is cheaper while  (2N-3) * ALPHA  >  (N-1)(N-2)/N * S * BETA
     i.e. below S* = (2N-3) N / ((N-1)(N-2)) * ALPHA/BETA   (N = 2: always; same bytes, 1 round less)

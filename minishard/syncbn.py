@@ -44,7 +44,8 @@ rounding), every float64 operation above errs by a factor (1 + δ), |δ| <= u; t
     q_r = M2_r + n_r·m_r²        3 roundings of non-negative terms      |err| <= 3u·q_r
     Q   = Σ q_r                  N-1 additions of non-negative terms    |err| <= (N+2)u·Q
     S   = Σ n_r·m_r              1 product + N-1 additions              |err| <= N·u·Σ|n_r m_r|
-    S·mean = S²/n                2 roundings + twice S's error          |err| <= 2u·S²/n + 2N·u·Σ|n_r m_r|·|S|/n
+    S·mean = S²/n                2 roundings + twice S's error
+                                                    |err| <= 2u·S²/n + 2N·u·Σ|n_r m_r|·|S|/n
     Q - S·mean                   1 rounding                             |err| <= u·Q
 
 By Cauchy-Schwarz (Σ n_r|m_r|)² <= n·Σ n_r m_r² <= n·Q, so S²/n <= Q and Σ|n_r m_r|·|S|/n <= Q:
@@ -60,7 +61,8 @@ same branch (no rank can be left waiting in a collective the others skip)::
     otherwise, in ANY channel  ->  every rank sends its statistics shifted by the pass-1 mean:
 
     local [n_r·d_r,  M2_r + n_r·d_r²]  with d_r = m_r - mean  --all_reduce(SUM)-->  [D, E]
-    mean' = mean + D/n        M2 = E - D²/n          (exact: Σ n_r (m_r - mean')² = Σ n_r d_r² - D²/n)
+    mean' = mean + D/n        M2 = E - D²/n
+    (exact: Σ n_r (m_r - mean')² = Σ n_r d_r² - D²/n)
 
 Now every term is non-negative and of the size of the spread, not of the mean: |err| <= (N+5)·u·M2
 (D/n is pass 1's rounding of the mean, so D²/n is negligible). A float64 input is its own
