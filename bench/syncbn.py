@@ -3,10 +3,13 @@
     torchrun --standalone --nproc_per_node=2 bench/syncbn.py [--channels 64] [--steps 50]
 
 Prints the median forward+backward time of one layer (plain BatchNorm2d: no communication;
-minishard.SyncBatchNorm: one all-reduce each way), interleaved step by step, and the bytes each
-rank sends per layer per step, next to what stock torch.nn.SyncBatchNorm's design sends: it
-all-gathers every rank's (mean, invstd, count) in forward, (2C+1)·N values, and all-reduces 2C
-values in backward. minishard sends 2C+1 and 2C (fp64 statistics: see syncbn.py).
+minishard.SyncBatchNorm: one all-reduce each way), the median time of the same two collectives
+alone (comm picks their algorithm: on gloo a direct exchange), all interleaved step by step, and
+the target: SyncBatchNorm <= 2 x BatchNorm2d + its collectives. Also the bytes each rank sends
+per layer per step, next to what stock torch.nn.SyncBatchNorm's design sends: it all-gathers
+every rank's (mean, invstd, count) in forward, (2C+1)·N values, and all-reduces 2C values in
+backward. minishard sends 2C+1 and 2C (fp64 statistics: see syncbn.py), here by direct exchange,
+(N-1)·S bytes each.
 """
 import argparse
 import statistics
@@ -18,7 +21,20 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
+from minishard import comm
 from minishard.comm import ring_bytes
+
+
+class CollectivesAlone:
+    """The two all-reduces one SyncBatchNorm layer issues per step, and nothing else."""
+
+    def __init__(self, C: int) -> None:
+        self.fwd = torch.zeros(2 * C + 1, dtype=torch.float64)
+        self.bwd = torch.zeros(2 * C, dtype=torch.float64)
+
+    def step(self) -> None:
+        comm.all_reduce(self.fwd, algorithm="auto")
+        comm.all_reduce(self.bwd, algorithm="auto")
 
 
 def main() -> None:
@@ -33,29 +49,41 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     C = args.channels
     x = torch.randn(args.batch, C, args.size, args.size, requires_grad=True)
-    layers = {"BatchNorm2d (no sync)": nn.BatchNorm2d(C), "minishard.SyncBatchNorm": minishard.SyncBatchNorm(C)}
-    times = {name: [] for name in layers}
+    layers = {"BatchNorm2d (no sync)": nn.BatchNorm2d(C),
+              "minishard.SyncBatchNorm": minishard.SyncBatchNorm(C)}
+    alone = CollectivesAlone(C)
+    times = {name: [] for name in [*layers, "its 2 collectives alone"]}
     sent = {}
     for i in range(args.steps + 5):
-        for name, layer in layers.items():
+        for name in times:
             dist.barrier()
             t0 = time.perf_counter()
             with minishard.ledger() as led:
-                layer(x).square().mean().backward()
+                if name in layers:
+                    layers[name](x).square().mean().backward()
+                else:
+                    alone.step()
             if i >= 5:
                 times[name].append(time.perf_counter() - t0)
                 sent[name] = float(led.total_bytes())
+                algorithms = sorted({e.algorithm for e in led.entries})
     stock_fp32 = ring_bytes("all_gather", (2 * C + 1) * world * 4, world) + \
         ring_bytes("all_reduce", 2 * C * 4, world)
     if rank == 0:
         print(f"{world} ranks, input {tuple(x.shape)} per rank, {args.steps} interleaved steps\n")
         print(f"{'layer':<28}{'fwd+bwd ms':>11}{'bytes sent/step':>17}")
         base = statistics.median(times["BatchNorm2d (no sync)"])
-        for name in layers:
+        for name in times:
             med = statistics.median(times[name])
             print(f"{name:<28}{1000 * med:>11.3f}{sent[name]:>17.0f}   ({med / base:.2f}x)")
         print(f"{'stock SyncBatchNorm design':<28}{'(GPU only)':>11}{float(stock_fp32):>17.0f}"
               f"   all_gather (2C+1)·N fp32 + all_reduce 2C fp32")
+        sync = statistics.median(times["minishard.SyncBatchNorm"])
+        coll = statistics.median(times["its 2 collectives alone"])
+        print(f"\ncollectives: {', '.join(algorithms)}. Target SyncBatchNorm <= 2 x BatchNorm2d + "
+              f"collectives = {1000 * (2 * base + coll):.3f} ms: {1000 * sync:.3f} ms, "
+              f"{'met' if sync <= 2 * base + coll else 'MISSED'}; "
+              f"(SyncBatchNorm - collectives) / BatchNorm2d = {(sync - coll) / base:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -23,6 +23,20 @@ Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` 
       in       [a0 a1 a2][b0 b1 b2][c0..]  ->  [Σ0]   [Σ1]   [Σ2]  ->  [Σ0 Σ1 Σ2] everywhere
                             reduce_scatter              all_gather
 
+Latency: for a tiny tensor the bytes hardly matter and the ring's 2(N-1) rounds do. The alpha-beta
+model prices one collective as ``rounds * ALPHA + bytes sent * BETA``::
+
+    ring all_reduce     2(N-1) rounds    2(N-1)/N * S bytes sent per rank
+    direct exchange     1 round          (N-1) * S    (its whole tensor to every other rank)
+
+    direct is cheaper while  (2N-3) * ALPHA  >  (N-1)(N-2)/N * S * BETA
+    i.e. below S* = (2N-3) N / ((N-1)(N-2)) * ALPHA/BETA   (N = 2: always; same bytes, 1 round less)
+
+``all_reduce(..., algorithm="auto")`` picks the cheaper one with ALPHA and BETA measured on this
+machine (``bench/alpha_beta.py``); the ledger then records the algorithm that ran and the bytes it
+really sends. The default stays the backend's own ring: callers whose byte counts are a contract
+(ZeRO's per-step formulas) keep them; SyncBatchNorm's few statistics ask for "auto".
+
 Each function takes ``group`` (``None`` = the default process group) and ``async_op``. With
 ``async_op=True`` it returns a :class:`Handle`; call ``.wait()`` before reading the result.
 """
@@ -41,8 +55,8 @@ import torch.distributed as dist
 
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
-    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "set_debug",
-    "CollectiveMismatch",
+    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "direct_bytes",
+    "all_reduce_cost", "pick_all_reduce", "set_debug", "CollectiveMismatch",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -58,8 +72,9 @@ class Entry:
     dtype: torch.dtype
     numel: int           # elements of the FULL tensor (output of all_gather, input of reduce_scatter)
     group_size: int
-    bytes_sent: Fraction  # under the ring cost model; a Fraction so sums stay exact
+    bytes_sent: Fraction  # what `algorithm` sends from this rank; a Fraction so sums stay exact
     tag: str = ""        # who asked: a SyncBN layer, a ZeRO unit, ...
+    algorithm: str = "ring"  # what ran: "ring" (the cost model above) or "direct" (an exchange)
 
 
 _RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
@@ -92,16 +107,17 @@ class Ledger:
         """A readable summary: one row per (op, dtype, group size, tag), with counts and bytes."""
         rows: dict[tuple, list] = {}
         for e in self.entries:
-            key = (e.op, str(e.dtype).replace("torch.", ""), e.group_size, e.tag)
+            op = e.op if e.algorithm == "ring" else f"{e.op}:{e.algorithm}"
+            key = (op, str(e.dtype).replace("torch.", ""), e.group_size, e.tag)
             row = rows.setdefault(key, [0, 0, Fraction(0)])
             row[0] += 1
             row[1] += e.numel
             row[2] += e.bytes_sent
-        head = f"{'op':<15}{'dtype':<10}{'N':>3}  {'calls':>6}{'elements':>12}{'bytes sent':>14}  tag"
+        head = f"{'op':<18}{'dtype':<10}{'N':>3}  {'calls':>6}{'elements':>12}{'bytes sent':>14}  tag"
         lines = [head, "-" * len(head)]
         for (op, dt, n, tag), (calls, numel, sent) in rows.items():
-            lines.append(f"{op:<15}{dt:<10}{n:>3}  {calls:>6}{numel:>12}{float(sent):>14.0f}  {tag}")
-        lines.append(f"{'total':<28}  {len(self.entries):>6}{'':>12}{float(self.total_bytes()):>14.0f}")
+            lines.append(f"{op:<18}{dt:<10}{n:>3}  {calls:>6}{numel:>12}{float(sent):>14.0f}  {tag}")
+        lines.append(f"{'total':<31}  {len(self.entries):>6}{'':>12}{float(self.total_bytes()):>14.0f}")
         return "\n".join(lines)
 
 
@@ -119,11 +135,18 @@ def ledger() -> Iterator[Ledger]:
         _open_ledgers.remove(led)
 
 
-def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str) -> None:
+def direct_bytes(full_bytes: int, group_size: int) -> Fraction:
+    """Bytes one rank sends in a direct-exchange all_reduce: its whole tensor to each other rank."""
+    return Fraction((group_size - 1) * full_bytes)
+
+
+def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
+            algorithm: str = "ring") -> None:
     if not _open_ledgers:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
-    entry = Entry(op, dtype, tensor_numel, n, ring_bytes(op, full_bytes, n), tag)
+    sent = direct_bytes(full_bytes, n) if algorithm == "direct" else ring_bytes(op, full_bytes, n)
+    entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm)
     for led in _open_ledgers:
         led.entries.append(entry)
 
@@ -180,9 +203,10 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
             "units run in another order, batches of different shapes).")
 
 
-def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str) -> None:
+def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
+            algorithm: str = "ring") -> None:
     """Every collective passes here first: the ledger, and the debug consistency check."""
-    _record(op, numel, tensor.dtype, n, tag)
+    _record(op, numel, tensor.dtype, n, tag, algorithm)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
 
@@ -245,22 +269,96 @@ def _finish(work, async_op: bool, then=None):
     return None
 
 
+# -------------------------------------------------------------------- the alpha-beta model
+# Measured on this machine (2-core CI kind, gloo over loopback, one thread per rank) by
+#     python bench/alpha_beta.py
+# which times both all_reduce algorithms at 2 and 4 ranks over 8 B - 4 MiB and fits
+# time = c + rounds * ALPHA + bytes sent * BETA by least squares (c, the per-call overhead,
+# is the same for both algorithms and cancels in the choice). See bench/RESULTS.md.
+ALPHA = 368e-6        # seconds per round (one message's latency, ranks sharing 2 busy cores)
+BETA = 1.8e-9         # seconds per byte sent by one rank (0.52 GiB/s)
+# Crossover: direct below S* = 666 KiB at 4 ranks, 899 KiB at 3; always at 2.
+
+
+def all_reduce_cost(algorithm: str, full_bytes: int, group_size: int) -> float:
+    """Seconds the alpha-beta model predicts for an all_reduce of ``full_bytes`` bytes."""
+    n = group_size
+    if n == 1:
+        return 0.0
+    if algorithm == "direct":
+        return ALPHA + float(direct_bytes(full_bytes, n)) * BETA
+    return 2 * (n - 1) * ALPHA + float(ring_bytes("all_reduce", full_bytes, n)) * BETA
+
+
+def pick_all_reduce(full_bytes: int, group_size: int, backend: str) -> str:
+    """"direct" where the model says one round of whole tensors beats the ring, else "ring".
+    Only on gloo: ALPHA and BETA were measured there (NCCL has its own low-latency algorithms)."""
+    if backend != "gloo" or group_size < 2:
+        return "ring"
+    direct = all_reduce_cost("direct", full_bytes, group_size)
+    return "direct" if direct < all_reduce_cost("ring", full_bytes, group_size) else "ring"
+
+
 # -------------------------------------------------------------------------------- collectives
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
-               tag: str = ""):
+               tag: str = "", algorithm: str = "ring"):
     """In place: ``tensor`` becomes the sum (``op="sum"``), mean (``"avg"``) or max (``"max"``)
     over the group.
 
     "avg" is done as SUM followed by a division on every backend: gloo and NCCL both give the same
-    numbers that way, and older gloo builds have no AVG.
+    numbers that way, and older gloo builds have no AVG. ``algorithm``: "ring" (the backend's
+    own), "direct" (:func:`_all_reduce_by_exchange`) or "auto" (the cheaper under the alpha-beta
+    model, see the module doc). Every rank must pass the same ``algorithm``; "auto" decides from
+    the size, the group and the backend, which every rank shares.
     """
     n = group_size(group)
-    _before("all_reduce", tensor, tensor.numel(), group, n, tag)
+    if algorithm == "auto":
+        nbytes = tensor.numel() * tensor.element_size()
+        algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
+    if algorithm == "direct" and not tensor.is_contiguous():
+        algorithm = "ring"  # point-to-point sends need one dense block
+    _before("all_reduce", tensor, tensor.numel(), group, n, tag, algorithm)
+    if algorithm == "direct" and n > 1:
+        works, total = _all_reduce_by_exchange(tensor, op, group, n)
+        return _finish(works, async_op, total)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
     return _finish(work, async_op, then)
+
+
+def _all_reduce_by_exchange(tensor, op, group, n):
+    """One round: every rank sends its whole tensor to every other rank and receives theirs, then
+    reduces the N tensors in RANK ORDER::
+
+        rank r:  --tensor-->  every rank j != r          (N-1 sends of S bytes)
+                 part[j] = rank j's tensor               (N-1 receives; part[r] = its own)
+                 tensor  = ((part[0] + part[1]) + part[2]) + ...
+
+    Every rank adds the same numbers in the same order, so every rank gets the same bits (a sum
+    in each rank's own order would differ in the last bits from rank to rank). Costs (N-1)·S bytes
+    sent and an (N-1)·S receive buffer: worth it only for small tensors (see the module doc)."""
+    r, flat = group_rank(group), tensor.view(-1)
+    recv = torch.empty((n - 1, flat.numel()), dtype=tensor.dtype, device=tensor.device)
+    parts = [flat if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
+    works = []
+    for step in range(1, n):  # every rank sends to r+step while receiving from r-step
+        to, frm = (r + step) % n, (r - step) % n
+        works.append(dist.isend(flat, _global(group, to), group=group, tag=_ALL_REDUCE_TAG))
+        works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=_ALL_REDUCE_TAG))
+
+    def total() -> None:  # runs after every send finished: the own tensor may change now
+        acc = parts[0].clone()
+        for part in parts[1:]:
+            if op == "max":
+                torch.maximum(acc, part, out=acc)
+            else:
+                acc.add_(part)
+        if op == "avg":
+            acc.div_(n)
+        flat.copy_(acc)
+    return works, total
 
 
 @torch.no_grad()
@@ -347,6 +445,7 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
 # Point-to-point messages are matched by (peer, tag): the exchange uses a tag of its own, so a
 # user's isend/irecv between the same ranks (tag 0 by default) never takes a gradient chunk.
 _EXCHANGE_TAG = 0x6D73  # "ms"
+_ALL_REDUCE_TAG = _EXCHANGE_TAG + 1  # the direct all_reduce: its own tag, so never mixed with it
 
 
 def _global(group, rank: int) -> int:

@@ -8,17 +8,74 @@ so N ranks with batch b compute exactly what one process computes on a batch of 
 Notation: x is this rank's input (N_r, C, *), n the GLOBAL number of values per channel (sum over
 ranks of N_r times the spatial size), every sum Σ runs over all ranks and all dims but C.
 
-Forward: one all_reduce of 2C+1 numbers
----------------------------------------
-    local [Σx, Σx², n_r]  --all_reduce(SUM)-->  global [S, Q, n]
-    mean = S/n      var = Q/n - mean²      invstd = 1/sqrt(var + eps)
+Forward: one all_reduce of 2C+1 numbers (two when the sums cancel)
+-----------------------------------------------------------------
+Each rank first computes its LOCAL statistics per channel with a stable method, in float32 for
+float16/bfloat16/float32 inputs, in float64 for float64 ones (the "compute dtype", rounding unit
+u_in): the shifted-data method. x0 = its mean rounded to the compute dtype, t = x - x0. When the
+mean dwarfs the spread, x - x0 is exact (Sterbenz) and of the size of the spread; mean(t) is x0's
+rounding error, far below the spread, so Σt² - n_r·mean(t)² cancels nothing, and x0 + mean(t)
+keeps the digits the rounded mean x0 lost:
+
+    n_r = values per channel on rank r,   m_r = x0 + mean(t)  (float64),   M2_r = Σt² - n_r·mean(t)²
+
+Sums can be added across ranks; means and variances cannot (not with unequal batch sizes). The
+textbook combination (Chan, Golub & LeVeque) of two groups a, b is exact::
+
+    n = n_a + n_b    mean = (n_a m_a + n_b m_b)/n    M2 = M2_a + M2_b + n_a n_b/n·(m_a - m_b)²
+
+and for N groups, with every rank's term written as a SUM so one all_reduce adds them::
+
+    local [n_r·m_r,  M2_r + n_r·m_r²,  n_r]  --all_reduce(SUM)-->  global [S, Q, n]     (float64)
+    mean = S/n        M2 = Q - S·mean  (= Σ M2_r + Σ n_r (m_r - mean)²)
+    var  = M2/n       invstd = 1/sqrt(var + eps)
     y    = (x - mean)·invstd·w + b                      (w, b: weight and bias, per channel)
     running_mean <- (1-m)·running_mean + m·mean
     running_var  <- (1-m)·running_var  + m·var·n/(n-1)  (the unbiased variance, as stock does)
 
-Sums can be added across ranks; means and variances cannot (not with unequal batch sizes), which
-is why we send sums. Stock torch.nn.SyncBatchNorm all-gathers each rank's (mean, invstd, count)
-instead: O(C·N) bytes where we send O(C), whatever the world size.
+Stock torch.nn.SyncBatchNorm all-gathers each rank's (mean, invstd, count) instead: O(C·N) bytes
+where we send O(C), whatever the world size.
+
+When the sums cancel: a second all_reduce, shifted by the now-known mean
+--------------------------------------------------------------------------
+Q - S·mean subtracts two numbers of size n·mean² to get one of size n·var. With u = 2⁻⁵³ (float64
+rounding), every float64 operation above errs by a factor (1 + δ), |δ| <= u; to first order in u:
+
+    q_r = M2_r + n_r·m_r²        3 roundings of non-negative terms      |err| <= 3u·q_r
+    Q   = Σ q_r                  N-1 additions of non-negative terms    |err| <= (N+2)u·Q
+    S   = Σ n_r·m_r              1 product + N-1 additions              |err| <= N·u·Σ|n_r m_r|
+    S·mean = S²/n                2 roundings + twice S's error
+                                                    |err| <= 2u·S²/n + 2N·u·Σ|n_r m_r|·|S|/n
+    Q - S·mean                   1 rounding                             |err| <= u·Q
+
+By Cauchy-Schwarz (Σ n_r|m_r|)² <= n·Σ n_r m_r² <= n·Q, so S²/n <= Q and Σ|n_r m_r|·|S|/n <= Q:
+
+    |fl(M2) - M2| <= (3N + 5)·u·Q
+
+Every rank holds the same all-reduced S, Q, n, so every rank evaluates the same test and takes the
+same branch (no rank can be left waiting in a collective the others skip)::
+
+    (3N + 5)·u·Q  <=  u_in·M2   ->  done: the float64 rounding is below one rounding unit u_in
+                                   of the local statistics' dtype (2⁻²⁴ for float32: what the
+                                   local M2_r already carries); true unless |mean|/std > ~5e3
+    otherwise, in ANY channel  ->  every rank sends its statistics shifted by the pass-1 mean:
+
+    local [n_r·d_r,  M2_r + n_r·d_r²]  with d_r = m_r - mean  --all_reduce(SUM)-->  [D, E]
+    mean' = mean + D/n        M2 = E - D²/n
+    (exact: Σ n_r (m_r - mean')² = Σ n_r d_r² - D²/n)
+
+Now every term is non-negative and of the size of the spread, not of the mean: |err| <= (N+5)·u·M2
+(D/n is pass 1's rounding of the mean, so D²/n is negligible). A float64 input is its own
+compute dtype, u_in = u, and the test can never pass ((3N+5)·Q > M2): float64 inputs always pass
+twice. Float32 and half-precision inputs pass once unless |mean|/std exceeds about 5e3-8e3.
+What is left is the error of the local statistics themselves, that of a single process.
+
+Elementwise work runs in the compute dtype, on t: y = t·scale + (b - (mean - x0)·scale), with
+the per-channel constants formed in float64 and rounded once, so the mean is never rounded to the
+compute dtype (let alone to a half-precision input's) before it is subtracted. The output is in
+the input's dtype. The forward makes ONE tensor of the input's size (t, in which y is built; for
+half inputs its float32 copy plus the output): no float64 tensor of the input's size, only O(C)
+float64 values.
 
 Backward: one all_reduce of 2C numbers
 --------------------------------------
@@ -32,22 +89,15 @@ dσ/dx_i = x̂_i/n (differentiate var = (1/n)Σ(x_j - mean)²; the Σ(x_j - mean
             = w·invstd·(dy_i - A/n - x̂_i·B/n),      A = Σ dy,  B = Σ dy·x̂  (global sums)
 
 So each rank needs only two per-channel global sums: local [Σdy, Σdy·x̂] --all_reduce(SUM)-->
-[A, B]. The parameter gradients dL/dw = Σ dy·x̂ and dL/db = Σ dy stay LOCAL sums over this rank's
+[A, B], with Σdy·x̂ = (Σdy·t - (mean - x0)·Σdy)·invstd: the elementwise sums in float32 or
+better (dy·(x - mean) is not normalised: in float16 it would overflow) and sent in float64.
+The parameter gradients dL/dw = Σ dy·x̂ and dL/db = Σ dy stay LOCAL sums over this rank's
 samples, exactly as stock: DDP (or the ZeRO engine) averages parameter gradients across ranks
 afterwards, and summing them here too would count them twice.
 
-Numerics: why the statistics are accumulated in float64
-------------------------------------------------------
-var = Q/n - mean² subtracts two numbers of size mean² to get one of size std². In float32 (7
-digits) an input with mean 1e4 and std 1 leaves nothing: Q/n ≈ 1e8 is only known to ±8 or so.
-The usual cure, shifting by a value near the mean before squaring, needs a shift every rank agrees
-on; the only such values (running_mean) are absent without running stats and wrong at the first
-step. So we compute Σx and Σx² from float64 copies and all-reduce them as float64: still one
-collective of 2C+1 numbers. The float64 rounding (about 1e-16·mean²) then stays far below the
-rounding the float32/float16 input already carries (about 1e-7·mean·std), for any input float32
-can represent. (Float64 inputs get no such margin: a float64 input with mean/std above ~1e5 loses
-digits of its variance. Stock's Welford-based kernels do better there; we choose one readable
-collective.) The elementwise normalisation runs in the input's dtype: float32 in, float32 out.
+Latency: every collective here is a few KiB, so comm picks its algorithm by the alpha-beta model
+(``algorithm="auto"``): on gloo a direct exchange, one round instead of the ring's 2(N-1), summed
+in rank order so every rank gets the same bits.
 
 Rules every rank relies on
 --------------------------
@@ -60,10 +110,19 @@ Rules every rank relies on
 * Only a GLOBAL count of one value per channel is an error (its variance is undefined). That count
   is known only after the all_reduce, and every rank sees the same one, so all ranks raise it
   together. Reading it costs one device-to-host copy per layer (stock syncs there too).
+* Every rank's input has the same dtype: it sets u_in, so it decides whether there is a second
+  pass (ranks with different dtypes would pair different collectives).
+* Every layer has a name all ranks agree on, in the ledger and in debug mode's fingerprints: its
+  path in the model (``convert_sync_batchnorm`` sets it), else ``#k``, the k-th SyncBatchNorm
+  built in this process (the same on every rank as long as every rank builds the same layers in
+  the same order). So a rank that runs layer #0 while another runs layer #1 of the same shape is
+  a CollectiveMismatch in debug mode, not statistics silently paired across layers.
 * In eval mode there is no communication at all: the running statistics normalise (or, with
   track_running_stats=False, each rank's own batch statistics, exactly as stock).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -85,38 +144,95 @@ def _channel_view(x: torch.Tensor):
     return dims, shape
 
 
-def _per_channel(x: torch.Tensor, shape, *vectors: torch.Tensor) -> list[torch.Tensor]:
-    """Float64 per-channel vectors, cast to x's dtype in ONE conversion and shaped (1, C, 1, ...)
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Elementwise work and local statistics: float32 for half inputs, else the input's dtype."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _per_channel(dtype: torch.dtype, shape, *vectors: torch.Tensor) -> list[torch.Tensor]:
+    """Float64 per-channel vectors, cast to ``dtype`` in ONE conversion and shaped (1, C, 1, ...)
     to broadcast against x (many tiny casts cost more than the arithmetic on small layers)."""
-    return list(torch.stack(vectors).to(x.dtype).view(len(vectors), *shape[1:]).unsqueeze(1))
+    return list(torch.stack(vectors).to(dtype).view(len(vectors), *shape[1:]).unsqueeze(1))
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def _sum_over_group(t: torch.Tensor, group, tag: str) -> None:
+    """All-reduce (sum) a few statistics; a group of one has nothing to add."""
+    if comm.group_size(group) > 1:
+        comm.all_reduce(t, "sum", group=group, tag=tag, algorithm="auto")
+
+
+def _local_shift(xa: torch.Tensor) -> torch.Tensor:
+    """This rank's per-channel mean in xa's dtype (zeros if xa is empty): the value subtracted
+    before any other statistics (module doc)."""
+    if xa.numel() == 0:
+        return torch.zeros(xa.shape[1], dtype=xa.dtype, device=xa.device)
+    return xa.mean(_channel_view(xa)[0])
+
+
+def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: str):
+    """(n, mean, M2) of the whole group's batch, per channel, float64: the two passes of the
+    module doc. ``t`` is this rank's x - x0. One all_reduce unless the pass-1 sums cancel."""
+    C = t.shape[1]
+    dims, _ = _channel_view(t)
+    n_r = t.numel() // C
+    zeros = torch.zeros(C, dtype=torch.float64, device=t.device)
+    if n_r:  # t is small: Σt² - n·mean(t)² has nothing left to cancel (module doc)
+        mean_t = t.mean(dims).double()
+        sum_sq = torch.linalg.vector_norm(t, 2, dims).double().square()  # no temporary of t's size
+        M2_r = (sum_sq - n_r * mean_t * mean_t).clamp_min(0)
+    else:  # an empty rank: zeros, and it still joins every collective
+        mean_t = M2_r = zeros
+    m_r = x0.double() + mean_t  # this rank's mean
+
+    stats = torch.cat([n_r * m_r, M2_r + n_r * m_r * m_r,
+                       torch.full((1,), n_r, dtype=torch.float64, device=t.device)])
+    _sum_over_group(stats, group, f"{tag} forward{suffix}")
+    S, Q = stats[:C], stats[C:2 * C]
+    n = int(stats[2 * C])  # the one device->host read: we need n on the host to raise
+    if n == 1:  # every rank sees the same n, so every rank raises here: no rank hangs
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size "
+            f"{tuple(t.shape)} on this rank and 1 value per channel in total over the "
+            f"{comm.group_size(group)} ranks of the process group. Use a larger batch, or "
+            "call .eval() to normalise with the running statistics.")
+    mean = S / n
+    M2 = Q - S * mean
+
+    # Pass 1's float64 error bound against one rounding unit of the local statistics (module
+    # doc); every rank holds the same S, Q, n, so every rank takes the same branch.
+    error_bound = (3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64) * Q
+    if bool((error_bound > _unit_roundoff(t.dtype) * M2).any()):
+        d_r = (x0.double() - mean) + mean_t if n_r else zeros  # m_r - mean, digits kept
+        shifted = torch.cat([n_r * d_r, M2_r + n_r * d_r * d_r])
+        _sum_over_group(shifted, group, f"{tag} forward{suffix} (second pass)")
+        D, E = shifted[:C], shifted[C:]
+        mean = mean + D / n
+        M2 = E - D * D / n
+    return n, mean, M2
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
-    """The math of the module doc, with exactly one all_reduce in forward and one in backward."""
+    """The math of the module doc: one all_reduce in forward (two when the sums cancel) and one in
+    backward. ``tag`` and ``suffix`` name the layer in the ledger and in debug fingerprints:
+    "{tag} forward{suffix}"."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, tag):
-        C = x.shape[1]
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, tag,
+                suffix=""):
         dims, shape = _channel_view(x)
-
-        # Local sums in float64 (see "Numerics"), packed in ONE buffer for ONE collective.
-        x64 = x.to(torch.float64)
-        local_count = torch.full((1,), x.numel() // C, dtype=torch.float64, device=x.device)
-        stats = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), local_count])
-        del x64
-        comm.all_reduce(stats, "sum", group=group, tag=f"{tag} forward")
-        S, Q = stats[:C], stats[C:2 * C]
-        n = int(stats[2 * C])  # the one device->host read: we need n on the host to raise
-
-        if n == 1:  # every rank sees the same n, so every rank raises here: no rank hangs
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {x.shape} "
-                f"on this rank and 1 value per channel in total over the "
-                f"{comm.group_size(group)} ranks of the process group. Use a larger batch, or "
-                "call .eval() to normalise with the running statistics.")
-
-        mean = S / n
-        var = (Q / n - mean * mean).clamp_min(0)  # clamp: rounding may leave a tiny negative
+        dtype = _compute_dtype(x)
+        # t = x - x0, x0 this rank's mean rounded to the compute dtype: the only tensor of x's
+        # size made here (y is built in it). For half inputs: one float32 copy, shifted in place.
+        xa = x.to(dtype)  # x itself unless x is half precision
+        x0 = _local_shift(xa)
+        (x0_,) = _per_channel(dtype, shape, x0)
+        t = xa - x0_ if xa is x else xa.sub_(x0_)
+        n, mean, M2 = _global_stats(t, x0, group, tag, suffix)
+        var = (M2 / n).clamp_min(0)  # clamp: rounding may leave a tiny negative
         invstd = torch.rsqrt(var + eps)
 
         if running_mean is not None and n > 0:  # n == 0 (every rank empty): leave them, as stock
@@ -124,34 +240,36 @@ class SyncBatchNormFunction(torch.autograd.Function):
             running_mean.mul_(1 - m).add_(m * mean.to(running_mean.dtype))
             running_var.mul_(1 - m).add_(m * (var * n / (n - 1)).to(running_var.dtype))
 
-        # y = (x - mean)·(invstd·w) + b, elementwise in the input's dtype: two passes over x.
-        # (Not x·scale + (b - mean·scale), one pass fewer: with a large mean that form subtracts
-        # two large numbers and loses the digits the float64 statistics above kept.)
+        # y = (x - mean)·scale + b = t·scale + (b - (mean - x0)·scale): the large common part x0
+        # is already gone from t, and mean - x0 is small and formed in float64, so the mean is
+        # never rounded to the compute dtype (let alone to a half-precision input's).
         scale = invstd if weight is None else invstd * weight.to(torch.float64)
         shift = torch.zeros_like(mean) if bias is None else bias.to(torch.float64)
-        m, s, b = _per_channel(x, shape, mean, scale, shift)
-        y = torch.addcmul(b, x - m, s)
+        c0 = mean - x0.double() if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
+        s, b = _per_channel(dtype, shape, scale, shift - c0 * scale)
+        y = t.mul_(s).add_(b).to(x.dtype)  # .to: a no-op unless the input is half precision
 
-        ctx.save_for_backward(x, weight, mean, invstd)
-        ctx.n, ctx.group, ctx.tag = n, group, tag
+        ctx.save_for_backward(x, weight, x0, c0, invstd)
+        ctx.n, ctx.group, ctx.tag, ctx.suffix = n, group, tag, suffix
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     @once_differentiable  # the collective below is not differentiable: refuse double backward
     def backward(ctx, dy):
-        x, weight, mean, invstd = ctx.saved_tensors
+        x, weight, x0, c0, invstd = ctx.saved_tensors  # c0 = mean - x0
         C = x.shape[1]
         dims, shape = _channel_view(x)
-        (m,) = _per_channel(x, shape, mean)
-        centred = x - m                                                    # x̂ = centred·invstd
+        dtype = _compute_dtype(x)
+        (x0_,) = _per_channel(dtype, shape, x0)
+        t = x.to(dtype) - x0_                              # x̂ = (t - c0)·invstd
+        dy_acc = dy.to(dtype)
 
-        # The local parts of A and B, in float32 or better: dy·centred is not normalised (its
-        # size is |dy|·std), so in float16 it would overflow or underflow. Unlike Σx² in
-        # forward, nothing here cancels badly enough to need float64.
-        dy_acc = dy.to(torch.promote_types(x.dtype, torch.float32))
-        sums = torch.cat([dy_acc.sum(dims), (dy_acc * centred).sum(dims)]).to(torch.float64)
-        sum_dy, sum_dy_xhat = sums[:C], sums[C:]
+        # The local parts of A and B in float32 or better (dy·t is not normalised: its size is
+        # |dy|·std, so in float16 it would overflow or underflow); Σdy·(t - c0) in float64.
+        sums = torch.cat([dy_acc.sum(dims), (dy_acc * t).sum(dims)]).to(torch.float64)
+        sum_dy = sums[:C]
+        sum_dy_xhat = sums[C:] - c0 * sum_dy
         if ctx.n:  # (every rank empty: invstd is NaN and the sums are 0; keep them 0)
             sum_dy_xhat = sum_dy_xhat * invstd
 
@@ -162,14 +280,18 @@ class SyncBatchNormFunction(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:  # the same on every rank (same model), so all join or none
             AB = torch.cat([sum_dy, sum_dy_xhat])  # a new tensor: the local sums above survive
-            comm.all_reduce(AB, "sum", group=ctx.group, tag=f"{ctx.tag} backward")
+            _sum_over_group(AB, ctx.group, f"{ctx.tag} backward{ctx.suffix}")
             A, B = AB[:C], AB[C:]
             n = ctx.n
             k = invstd if weight is None else invstd * weight.to(torch.float64)
-            # dx = w·invstd·(dy - A/n - x̂·B/n) = (dy - centred·(invstd·B/n))·k - k·A/n
-            c, k_, kA = _per_channel(x, shape, invstd * B / n, k, k * A / n)
-            dx = torch.addcmul(-kA, torch.addcmul(dy, centred, -c), k_)
-        return dx, dweight, dbias, None, None, None, None, None, None
+            c = k * invstd * B / n
+            # dx = w·invstd·(dy - A/n - x̂·B/n) = dy·k - (t - c0)·c - k·A/n
+            c_, k_, K = _per_channel(dtype, shape, c, k, k * A / n - c0 * c)
+            dx = t.mul_(c_.neg()).sub_(K).addcmul_(dy_acc, k_).to(x.dtype)
+        return dx, dweight, dbias, None, None, None, None, None, None, None
+
+
+_BUILT = itertools.count()  # SyncBatchNorm layers built in this process: the default names
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -177,12 +299,15 @@ class SyncBatchNorm(_BatchNorm):
     state_dict keys), built on :class:`SyncBatchNormFunction`; works on CPU/gloo as well as GPUs.
 
     Inputs (N, C, *) with 2 to 5 (or more) dims; channels_last inputs give channels_last outputs.
-    Statistics are synchronised only in training mode and only when the process group (default: the
-    whole world) has more than one rank; otherwise this is exactly ``F.batch_norm``, as in stock.
+    Statistics are synchronised only in training mode with torch.distributed initialised; without
+    it this is exactly ``F.batch_norm``, as in stock. A process group of one rank runs the same
+    code as N ranks (the same precision), with nothing to communicate.
 
     ``tag`` names this layer in the comm ledger; ``convert_sync_batchnorm`` sets it to the layer's
-    name in the model. ``original_class`` and ``last_input_dim`` tell ``revert_sync_batchnorm``
-    which BatchNormNd to go back to.
+    path in the model (also in ``path``). A layer without a path is named ``#k`` in collective
+    tags: ``build_index``, the k-th SyncBatchNorm built in this process (see the module doc).
+    ``original_class`` and ``last_input_dim`` tell ``revert_sync_batchnorm`` which BatchNormNd to
+    go back to.
     """
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
@@ -193,6 +318,8 @@ class SyncBatchNorm(_BatchNorm):
                          dtype=dtype, **({} if bias else {"bias": False}))
         self.process_group = process_group
         self.tag = f"SyncBatchNorm({num_features})"
+        self.path: str | None = None
+        self.build_index = next(_BUILT)
         self.original_class: type | None = None
         self.last_input_dim: int | None = None
 
@@ -232,13 +359,14 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if tracked else None
         running_var = self.running_var if tracked else None
 
-        # Synchronise only while training with more than one rank (stock's `need_sync`).
+        # Synchronise while training in a process group (a group of one runs the same code).
         if self.training and dist.is_available() and dist.is_initialized():
             group = self.process_group or None  # None: the default (whole world) group
             comm.check_member(group, self.tag)
-            if comm.group_size(group) > 1:
-                return SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean,
-                                                   running_var, self.eps, factor, group, self.tag)
+            suffix = "" if self.path else f" #{self.build_index}"
+            return SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean,
+                                               running_var, self.eps, factor, group, self.tag,
+                                               suffix)
         return F.batch_norm(x, running_mean, running_var, self.weight, self.bias,
                             use_batch_stats, factor, self.eps)
 
@@ -288,7 +416,7 @@ def _convert(module: nn.Module, process_group, name: str) -> nn.Module:
         _move_state(module, out)
         out.original_class = next((c for c in _PLAIN_BATCHNORMS if isinstance(module, c)), None)
         if name:
-            out.tag = f"{out.tag} {name}"
+            out.tag, out.path = f"{out.tag} {name}", name
     for child_name, child in module.named_children():
         out.add_module(child_name, _convert(child, process_group,
                                             f"{name}.{child_name}" if name else child_name))
