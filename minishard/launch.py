@@ -66,6 +66,10 @@ def needs(world_sizes: Collection[int]) -> str:
     return ", ".join(map(str, sizes[:-1])) + f" or {sizes[-1]}"
 
 
+def _smallest(world_sizes: Collection[int]) -> int:
+    return world_sizes.start if isinstance(world_sizes, range) else min(world_sizes)  # O(1)
+
+
 def _script() -> str:
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
@@ -106,7 +110,7 @@ def session(world_sizes: Collection[int] | None = None, why: str = "",
             _refuse(f"{_script()} needs {needs(world_sizes)} ranks"
                     + (f" ({why})" if why else "")
                     + f"; got {world}. Run it with torchrun --nproc_per_node="
-                    f"{min(world_sizes)}.")
+                    f"{_smallest(world_sizes)}.")
         _close()
         raise SystemExit(WRONG_WORLD_SIZE)
     yield rank, world
