@@ -120,18 +120,20 @@ def plot_against_world_size(path: str, psi: int, rank: int, world: int) -> None:
         return
     ns = list(range(1, max(8, world) + 1))
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    formulas = ["16\u03a8", "8\u03a8 + 8\u03a8/N", "4\u03a8 + 12\u03a8/N", "16\u03a8/N"]
     for stage in range(4):
         line, = ax.plot(ns, [sum(zero_bytes(psi, n, stage).values()) / 1024 for n in ns],
-                        label=f"stage {stage} (formula)")
+                        label=f"stage {stage}: {formulas[stage]}")
         ks = [k for s, k in measured if s == stage]
         ax.plot(ks, [measured[stage, k] / 1024 for k in ks], "o", color=line.get_color(),
                 markersize=7, markerfacecolor="none")
-    ax.plot([], [], "ko", markerfacecolor="none", label=f"measured (1-{world} ranks)")
+    ax.plot([], [], "ko", markerfacecolor="none",
+            label="measured, 1 rank" if world == 1 else f"measured, 1 to {world} ranks")
     ax.set_xlabel("ranks N")
     ax.set_ylabel("KiB of model state per rank")
     ax.set_xticks(ns)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{psi:,} params, fp32 Adam: 16\u03a8 with DDP, 16\u03a8/N with stage 3")
+    ax.set_title(f"Model state per rank, \u03a8 = {psi:,} params, fp32 Adam (bytes)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

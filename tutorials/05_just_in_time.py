@@ -40,8 +40,9 @@ class Block(nn.Module):
 
 
 def padded_bytes(numel: int, world: int) -> int:
-    """A unit's gathered buffer: its elements padded up to a multiple of N (every rank's shard has
-    the same size, as the collectives need), in fp32. With N = 3, a 4160-element block gathers 4161."""
+    """A unit's gathered buffer: its elements padded up to a multiple of N (every rank's shard
+    has the same size, as the collectives need), in fp32. With N = 3, a 4160-element block
+    gathers 4161."""
     return math.ceil(numel / world) * world * 4
 
 

@@ -124,7 +124,7 @@ def accumulation_costs(rank: int, world: int, say) -> None:
     gather = Fraction(2 * 2 * P * (world - 1), world)
     reduce = Fraction(4 * P * (world - 1), world)
     every, nosync = costs["reduce every micro-batch"], costs["no_sync until the last"]
-    assert every["gather"] == nosync["gather"] == [gather] * M, costs   # no_sync gathers all the same
+    assert every["gather"] == nosync["gather"] == [gather] * M, costs  # no_sync gathers the same
     assert every["reduce"] == [reduce] * M, costs
     assert nosync["reduce"] == [0] * (M - 1) + [reduce], costs          # one reduce-scatter
     # Memory: the same parameters gathered at a time; but under no_sync every unit's full bf16
