@@ -113,3 +113,12 @@ def test_world_sizes_in_words():
     from minishard.launch import at_least, needs
     assert needs(at_least(2)) == "at least 2" and 2 in at_least(2) and 1 not in at_least(2)
     assert needs({4, 2}) == "2 or 4" and needs(range(2, 5)) == "2, 3 or 4" and needs([3]) == "3"
+
+
+def test_a_retried_exit_abort_is_reported(monkeypatch):
+    """The net: an exit abort is retried once, and the retry is a warning, never silent."""
+    runs = iter([subprocess.CompletedProcess([], -6, "All assertions held.\n", _EXIT_ABORT),
+                 subprocess.CompletedProcess([], 0, "All assertions held.\n", "")])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: next(runs))
+    with pytest.warns(UserWarning, match="aborted at interpreter exit"):
+        assert _ok(torchrun(3, "tutorials/01_collectives.py")) == "All assertions held.\n"
