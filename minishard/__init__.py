@@ -9,9 +9,10 @@ Public names only; the modules tell the story:
   state.py    checkpoints: per-rank shard files, atomic, reshardable; full optimizer export
   memory.py   the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
   testing.py  RankPool: warm gloo ranks for tests
+  launch.py   session(): set-up and clean tear-down for scripts started by torchrun
   tour.py     torchrun --standalone --nproc_per_node=2 -m minishard.tour
 """
-from minishard import comm, state
+from minishard import comm, launch, state
 from minishard.comm import ledger
 from minishard.state import (full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
                              load_full_optimizer_state_dict, save_checkpoint)
@@ -19,7 +20,7 @@ from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_
 from minishard.zero import STAGES, MixedPrecision, ZeRO
 
 __all__ = [
-    "comm", "state", "ledger",
+    "comm", "launch", "state", "ledger",
     "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
     "ZeRO", "STAGES", "MixedPrecision",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint",

@@ -1,6 +1,6 @@
 """A live tour of minishard's headline results, measured on the spot.
 
-    torchrun --standalone --nproc_per_node=2 -m minishard.tour      (or 4 ranks; --plot FILE.png)
+    torchrun --standalone --nproc_per_node=2 -m minishard.tour      (or 3, 4 ranks; --plot FILE.png)
 
 1. SyncBatchNorm on N small per-rank batches equals BatchNorm on the one global batch, while plain
    per-rank BatchNorm does not; one all-reduce each way per layer.
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,6 +20,8 @@ from torch import nn
 
 import minishard
 from minishard.memory import bar_chart, fmt_bytes, pyplot, zero_bytes
+
+D = 48  # 48*48 + 48 = 2352 parameters per block: a multiple of 1, 2, 3 and 4, so no padding
 
 
 def _say(*args) -> None:
@@ -55,7 +56,7 @@ def syncbn_equals_global_batchnorm(rank: int, world: int) -> None:
 
 
 class _Block(nn.Module):
-    def __init__(self, d: int = 64) -> None:
+    def __init__(self, d: int = D) -> None:
         super().__init__()
         self.linear = nn.Linear(d, d)
 
@@ -76,7 +77,7 @@ def zero_memory_and_traffic(rank: int, world: int) -> None:
     for stage in range(4):
         model = minishard.ZeRO(_model(), stage=stage, units={_Block})
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        x = torch.randn(8, 64)
+        x = torch.randn(8, D)
         model(x).sum().backward(); opt.step(); opt.zero_grad()
         with minishard.ledger() as led:
             model(x).sum().backward()
@@ -99,7 +100,7 @@ def stage3_timeline(rank: int, world: int) -> None:
     for units in (None, {_Block}):
         model = minishard.ZeRO(_model(6), stage=3, units=units)
         with model.record_events() as events:
-            model(torch.randn(4, 64)).sum().backward()
+            model(torch.randn(4, D)).sum().backward()
         peaks["one unit" if units is None else "per block"] = model.peak_gathered_bytes
     mark = {"gather": "G", "forward": "f", "free": "x", "backward": "b", "reduce": "R"}
     line = " ".join(f"{mark[e['event']]}{e['unit']}" for e in events if e["unit"] != "<root>")
@@ -118,7 +119,7 @@ def stage3_equals_one_process(rank: int, world: int) -> None:
     ref = _model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
-        x = _global_batch(step, world, 4, 64)
+        x = _global_batch(step, world, 4, D)
         ref_opt.zero_grad(); ref(x).square().mean().backward(); ref_opt.step()
         opt.zero_grad(); model(x[4 * rank:4 * rank + 4]).square().mean().backward(); opt.step()
     full, want = model.full_state_dict(), ref.state_dict()
@@ -150,27 +151,24 @@ def _plot(path: str, rows, events) -> None:
     print(f"saved {path}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="minishard's live tour (run with torchrun)")
-    parser.add_argument("--plot", help="also save a PNG of memory per stage and the stage-3 "
-                                       "timeline (needs matplotlib: pip install 'minishard[plot]')")
-    args = parser.parse_args()
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int, plot: str | None) -> None:
     _say(f"minishard tour: {world} gloo ranks on CPU (torch {torch.__version__})")
     syncbn_equals_global_batchnorm(rank, world)
     rows = zero_memory_and_traffic(rank, world)
     events = stage3_timeline(rank, world)
     stage3_equals_one_process(rank, world)
     _say("\nEvery number above was measured in this run, and every claim asserted.")
-    if args.plot and rank == 0:
-        _plot(args.plot, rows, events)
-    dist.barrier()
-    dist.destroy_process_group()
+    if plot and rank == 0:
+        _plot(plot, rows, events)
 
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    parser = argparse.ArgumentParser(description="minishard's live tour (run with torchrun)")
+    parser.add_argument("--plot", help="also save a PNG of memory per stage and the stage-3 "
+                                       "timeline (needs matplotlib: pip install 'minishard[plot]')")
+    args = parser.parse_args()
+    with minishard.launch.session(
+            world_sizes=minishard.launch.at_least(2),
+            why="it compares N ranks with one process") as (rank, world):
+        main(rank, world, args.plot)

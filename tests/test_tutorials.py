@@ -1,58 +1,124 @@
-"""Every tutorial (and the tour) runs under torchrun on CPU and its own assertions hold.
+"""Every tutorial (and the tour) runs under torchrun on CPU, at 1, 2, 3 and 4 ranks, and either
+its own assertions hold or it refuses that world size the way minishard.launch.session promises:
+one line on rank 0 saying which world sizes it needs and why, exit status 2 on every rank, no
+traceback from any rank.
 
 The tutorials assert what they teach; here we only launch them as a learner would and check
-that they exit cleanly. World size 2 for all; 4 where the tutorial's claim is about 4 ranks.
+that they exit as promised.
 """
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted(p.name for p in (ROOT / "tutorials").glob("[0-9][0-9]_*.py"))
-AT_FOUR = {"03_sync_batchnorm.py", "04_zero_stages.py", "06_training_loop.py"}
+WORLD_SIZES = (1, 2, 3, 4)
+# Lessons whose contrast vanishes with one rank refuse it (see each one's session(...) call).
+REFUSED = {"03_sync_batchnorm.py": {1}, "07_pick_the_right_tool.py": {1}, "09_break_it.py": {1},
+           "-m minishard.tour": {1}}
 
-
-# On a loaded machine, torch 2.13's gloo now and then aborts a rank at interpreter exit, AFTER
-# destroy_process_group() ("terminate called without an active exception"); a plain torch DDP
-# script does it too (about 1 run in 15 under load here). Such a run is retried once; any other
-# failure, or a second abort, fails the test.
+# A safety net, not the fix: minishard.launch.session ends every script so that torch 2.13's
+# gloo should no longer abort a rank at interpreter exit ("terminate called without an active
+# exception", pytorch#190489; bench/exit_reliability.py measures it). Should it still happen to
+# a run whose lesson finished, the run is retried once and the retry is REPORTED as a warning
+# (pytest's warnings summary), never silently; any other failure, or a second abort, fails.
 _EXIT_ABORT = "terminate called without an active exception"
 
 
-def torchrun(nproc: int, *target: str, timeout: float = 180) -> str:
+def torchrun(nproc: int, *target: str, timeout: float = 180) -> subprocess.CompletedProcess:
     for attempt in (1, 2):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={nproc}", *target],
             cwd=ROOT, capture_output=True, text=True, timeout=timeout,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode == 0 or _EXIT_ABORT not in proc.stderr or attempt == 2:
-            break
+        aborted_at_exit = proc.returncode != 0 and _EXIT_ABORT in proc.stderr
+        if not aborted_at_exit or attempt == 2:
+            return proc
+        warnings.warn(f"torchrun {nproc} {' '.join(target)}: a rank aborted at interpreter exit "
+                      f"({_EXIT_ABORT!r}); retried once. minishard.launch.session should "
+                      "prevent this: please report it with bench/exit_reliability.py's output.")
+    return proc
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
 
+def _refused(proc: subprocess.CompletedProcess, nproc: int) -> str:
+    """The promised refusal: every rank exits 2, one line says why, no rank prints a traceback
+    (torchrun itself then reports the run failed, with its own traceback: that one we allow)."""
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert len(re.findall(r"exitcode\s+:\s*2\b", proc.stderr)) == nproc, out[-4000:]
+    lines = [line for line in out.splitlines() if " needs " in line and " ranks (" in line]
+    assert len(lines) == 1, out[-4000:]
+    assert "[rank" not in out and "AssertionError" not in out, out[-4000:]
+    assert out.count("Traceback (most recent call last)") <= 1, out[-4000:]  # torchrun's own
+    return lines[0]
+
+
 def test_every_course_tutorial_is_here():
     numbers = {name[:2] for name in TUTORIALS}
-    assert {"03", "04", "05", "06"} <= numbers, TUTORIALS
+    assert {"01", "02", "03", "04", "05", "06", "07", "09"} <= numbers, TUTORIALS
 
 
-@pytest.mark.parametrize("nproc, name", [(2, t) for t in TUTORIALS] +
-                         [(4, t) for t in TUTORIALS if t in AT_FOUR])
-def test_tutorial_runs_with_torchrun(nproc, name):
-    out = torchrun(nproc, f"tutorials/{name}")
-    assert out.strip(), "a tutorial should print what it shows"
+# 04 and 05 at 3 ranks run in test_plots_render, with --plot (one run fewer each: time).
+PLOTS = {"04_zero_stages.py": 3, "05_just_in_time.py": 3}
 
 
-def test_tour_runs_with_torchrun():
-    out = torchrun(2, "-m", "minishard.tour")
-    assert "every claim asserted" in out
+@pytest.mark.parametrize("name, nproc", [(name, n) for name in TUTORIALS for n in WORLD_SIZES
+                                         if PLOTS.get(name) != n])
+def test_tutorial_at_every_world_size(name, nproc):
+    proc = torchrun(nproc, f"tutorials/{name}")
+    if nproc in REFUSED.get(name, ()):
+        line = _refused(proc, nproc)
+        assert f"tutorials/{name} needs at least 2 ranks" in line and f"got {nproc}" in line
+    else:
+        assert "All assertions held." in _ok(proc)
 
 
-def test_plots_render(tmp_path):  # matplotlib: the 'plot' extra, also in 'test'
-    png = tmp_path / "timeline.png"
-    torchrun(2, "tutorials/05_just_in_time.py", "--plot", str(png))
-    assert png.stat().st_size > 1000
+@pytest.mark.parametrize("nproc", (1, 2))
+def test_tour(nproc):
+    proc = torchrun(nproc, "-m", "minishard.tour")
+    if nproc in REFUSED["-m minishard.tour"]:
+        assert "-m minishard.tour needs at least 2 ranks" in _refused(proc, nproc)
+    else:
+        assert "every claim asserted" in _ok(proc)
+
+
+def test_outside_torchrun_says_how_to_start():
+    proc = subprocess.run([sys.executable, "tutorials/01_collectives.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "start it with torchrun" in proc.stderr
+
+
+@pytest.mark.parametrize("script", sorted(PLOTS))
+def test_plots_render(script, tmp_path):  # matplotlib: the 'plot' extra, also in 'test'
+    png = tmp_path / "plot.png"
+    assert "All assertions held." in _ok(torchrun(PLOTS[script], f"tutorials/{script}", "--plot",
+                                                  str(png)))
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
+
+
+def test_world_sizes_in_words():
+    from minishard.launch import at_least, needs
+    assert needs(at_least(2)) == "at least 2" and 2 in at_least(2) and 1 not in at_least(2)
+    assert needs({4, 2}) == "2 or 4" and needs(range(2, 5)) == "2, 3 or 4" and needs([3]) == "3"
+
+
+def test_a_retried_exit_abort_is_reported(monkeypatch):
+    """The net: an exit abort is retried once, and the retry is a warning, never silent."""
+    runs = iter([subprocess.CompletedProcess([], -6, "All assertions held.\n", _EXIT_ABORT),
+                 subprocess.CompletedProcess([], 0, "All assertions held.\n", "")])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: next(runs))
+    with pytest.warns(UserWarning, match="aborted at interpreter exit"):
+        assert _ok(torchrun(3, "tutorials/01_collectives.py")) == "All assertions held.\n"

@@ -26,7 +26,6 @@ all_gather IS an all_reduce, and then derives the cost model: it builds a ring a
 point-to-point sends, counts the bytes it really hands to the network, and asserts that they equal
 the ledger's formula. Every printed claim is asserted.
 """
-from datetime import timedelta
 from fractions import Fraction
 
 import torch
@@ -86,11 +85,7 @@ def ring_all_reduce(tensor: torch.Tensor, rank: int, world: int) -> int:
     return sent
 
 
-def main() -> None:
-    # gloo runs on CPU; the timeout turns a rank stuck in a collective into an error, not a hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)  # N ranks share this machine's cores
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{world} ranks. Every tensor below is float32; rank r's values depend on r.\n")
 
@@ -233,9 +228,9 @@ def main() -> None:
             "(asserted).")
     say("\nAll assertions held.")
 
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson (see minishard/launch.py): a gloo process
+    # group with a timeout, and a clean exit.
+    with minishard.launch.session() as (rank, world):
+        main(rank, world)

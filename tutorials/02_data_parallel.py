@@ -25,10 +25,9 @@ minishard.comm, then shows what goes wrong if the gradients are SUMMED instead o
 runs the same training with minishard.ZeRO(stage=0) and with torch's DistributedDataParallel,
 and asserts that all of them equal the one-process reference.
 """
-from datetime import timedelta
+from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -92,11 +91,7 @@ def max_diff(a: nn.Module, b_state: dict) -> float:
     return max((p - b_state[k]).abs().max().item() for k, p in a.state_dict().items())
 
 
-def main() -> None:
-    # gloo runs on CPU; the timeout turns a rank stuck in a collective into an error, not a hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)  # N ranks share this machine's cores
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     batches = global_batches(world)
     say(f"{world} ranks x {PER_RANK} samples = global batch of {PER_RANK * world}; "
@@ -116,7 +111,9 @@ def main() -> None:
     psi = sum(p.numel() for p in by_hand.parameters())
     led = ledgers[-1]
     assert led.count("all_reduce") == len(list(by_hand.parameters()))
-    assert led.total_bytes() == 2 * (world - 1) * 4 * psi / world  # ring model, fp32 gradients
+    # The ring model, fp32 gradients; a Fraction, since 2(N-1)/N x 4 psi need not be a whole
+    # number for one rank (the ledger keeps exact fractions too).
+    assert led.total_bytes() == Fraction(2 * (world - 1) * 4 * psi, world)
     say(f"   per step each rank issued {led.count()} all-reduces (one per parameter tensor) and "
         f"sent {float(led.total_bytes()):g} bytes\n   = 2(N-1)/N x {psi} params x 4 bytes.\n")
 
@@ -127,15 +124,21 @@ def main() -> None:
     summed = train_by_hand(batches, rank, "sum")
     lr_times_n, big_lr_losses = train_one_process(batches, LR * world)
     wrong = max_diff(summed, ref)
-    assert wrong > 1e-3, wrong
     for k, p in summed.state_dict().items():
         torch.testing.assert_close(p, lr_times_n.state_dict()[k], **TOL, msg=k)
     say("2. The bug: all_reduce(SUM) instead of the average.")
-    say(f"   max |summed - reference|              = {wrong:.3f}   (diverged: asserted > 1e-3)")
-    say(f"   max |summed - one process with lr x {world}| = "
-        f"{max_diff(summed, lr_times_n.state_dict()):.1e} (the same run: asserted)")
-    say(f"   global-batch loss per step, reference vs lr x {world} (= summed): " + ",  ".join(
-        f"{a:.4f} vs {b:.4f}" for a, b in zip(ref_losses, big_lr_losses)) + "\n")
+    if world == 1:  # the sum over one rank IS the average: the bug hides until the job scales
+        assert wrong == 0.0, wrong
+        say("   with 1 rank the sum over ranks IS the average (asserted: max |summed - reference|"
+            " = 0):\n   this bug only shows once you add ranks. Run with 2 or more to see it.\n")
+    else:
+        assert wrong > 1e-3, wrong
+        say(f"   max |summed - reference|              = {wrong:.3f}   "
+            "(diverged: asserted > 1e-3)")
+        say(f"   max |summed - one process with lr x {world}| = "
+            f"{max_diff(summed, lr_times_n.state_dict()):.1e} (the same run: asserted)")
+        say(f"   global-batch loss per step, reference vs lr x {world} (= summed): " + ",  ".join(
+            f"{a:.4f} vs {b:.4f}" for a, b in zip(ref_losses, big_lr_losses)) + "\n")
 
     # ----------------------------------------------- 3. the same with minishard.ZeRO and torch DDP
     # ZeRO(stage=0) is this DDP: each rank keeps everything, gradients are all-reduced (averaged)
@@ -170,9 +173,8 @@ def main() -> None:
     say(f"   torch DistributedDataParallel max diff {max_diff(ddp.module, ref):.1e}")
     say("\nAll assertions held.")
 
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
-
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session() as (rank, world):
+        main(rank, world)

@@ -20,10 +20,7 @@ all_reduce (two per-channel sums, see minishard/syncbn.py for the derivation). T
      BatchNorm on the whole batch: the outputs, and the parameters after a few SGD steps;
   4. prints what that costs per BN layer, from minishard's communication ledger.
 """
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -45,11 +42,7 @@ def make_model() -> nn.Module:
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4))
 
 
-def main() -> None:
-    # gloo runs on CPU; the timeout turns a rank stuck in a collective into an error, not a hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)  # N ranks share this machine's cores
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     B = PER_RANK * world
     say(f"{world} ranks x {PER_RANK} samples = global batch of {B}\n")
@@ -140,8 +133,7 @@ def main() -> None:
     with minishard.ledger() as led, torch.no_grad():
         synced(x[mine])
     assert led.count() == 0
-
-    dist.destroy_process_group()
+    say("\nAll assertions held.")
 
 
 def fmt(t: torch.Tensor) -> str:
@@ -149,4 +141,8 @@ def fmt(t: torch.Tensor) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session(
+            world_sizes=minishard.launch.at_least(2),
+            why="with one rank the local batch IS the global batch") as (rank, world):
+        main(rank, world)

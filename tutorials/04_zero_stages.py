@@ -17,8 +17,6 @@ that both equal the formulas. Stage 3 pays for its memory with one extra all-gat
 3Ψ of traffic instead of 2Ψ.
 """
 import argparse
-import os
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,7 +25,7 @@ from torch import nn
 import minishard
 from minishard.memory import bar_chart, fmt_bytes, zero_bytes, pyplot
 
-WIDTH, BLOCKS, BATCH = 96, 4, 8  # 96*96 + 96 = 9312 params per block: divisible by 2 and 4, no padding
+WIDTH, BLOCKS, BATCH = 96, 4, 8  # 96*96 + 96 = 9312 params per block: divisible by 1-4, no padding
 
 
 class Block(nn.Module):
@@ -39,10 +37,10 @@ class Block(nn.Module):
         return torch.nn.functional.gelu(self.linear(x))
 
 
-def train_and_measure(stage: int, rank: int, world: int) -> dict:
+def train_and_measure(stage: int, rank: int, group=None) -> dict:
     torch.manual_seed(0)
     model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=stage,
-                           units={Block})
+                           units={Block}, process_group=group)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # built AFTER wrapping: sees the shards
     data = torch.randn(3, BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
 
@@ -56,18 +54,12 @@ def train_and_measure(stage: int, rank: int, world: int) -> dict:
     return {"mem": mem, "sent": float(led.total_bytes()), "ledger": led}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", help="also save a PNG of the per-rank memory (needs matplotlib)")
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int, plot: str | None) -> None:
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)   # parameters in the model
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"Model: {BLOCKS} x Linear({WIDTH}) = {psi:,} parameters, fp32 Adam, {world} ranks.\n")
 
-    results = {stage: train_and_measure(stage, rank, world) for stage in range(4)}
+    results = {stage: train_and_measure(stage, rank) for stage in range(4)}
 
     say(f"{'stage':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"
         f"{'formula':>12}{'sent/step':>12}")
@@ -79,7 +71,7 @@ def main() -> None:
         # are reduce-scattered and freed when it ends): there the formula's 4Ψ is the peak.
         assert m["params"] == f["params"], (stage, m, f)
         assert m["optimizer"] == f["optimizer"], (stage, m, f)
-        grads = m["peak_full_grads"] if stage == 1 else m["grads"]
+        grads = grads_held(stage, m)
         assert grads == f["grads"], (stage, m, f)
         # Communication: 2Ψ per step for stages 0-2 (all-reduce, or reduce-scatter + all-gather),
         # 3Ψ for stage 3 (all-gather in forward AND in backward, reduce-scatter), times (N-1)/N.
@@ -99,24 +91,60 @@ def main() -> None:
     say(f"\nEvery rank holds {fmt_bytes(sum(zero_bytes(psi, world, 0).values()))} with DDP and "
         f"{fmt_bytes(sum(zero_bytes(psi, world, 3).values()))} with stage 3: 1/{world} of it. "
         "All assertions held.")
-    plt = pyplot() if args.plot and rank == 0 else None
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        left = [0.0] * len(rows)
-        for part in ("params", "grads", "optimizer"):
-            vals = [d[part] / 2**20 for _, d in rows]
-            ax.barh([label for label, _ in rows], vals, left=left, label=part)
-            left = [a + b for a, b in zip(left, vals)]
-        ax.set_xlabel("MiB per rank")
-        ax.set_title(f"Model state per rank, {world} ranks, fp32 Adam")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        say(f"saved {args.plot}")
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
+    if plot:
+        plot_against_world_size(plot, psi, rank, world)
+
+
+def grads_held(stage: int, mem: dict) -> int:
+    """Stage 1 frees its full gradients at the end of backward; the formula's 4 psi is its peak."""
+    return mem["peak_full_grads"] if stage == 1 else mem["grads"]
+
+
+def plot_against_world_size(path: str, psi: int, rank: int, world: int) -> None:
+    """What the table cannot show: how each stage's bytes per rank fall as ranks are added.
+
+    Lines: the formulas (minishard/memory.py) for 1 to 8 ranks. Points: measured in this run at
+    every world size up to ours, by training on the first k ranks only (a process group of k),
+    and asserted equal to the formula there too."""
+    measured = {}  # (stage, k) -> bytes held per rank
+    for k in range(1, world + 1):
+        group = dist.new_group(list(range(k)))  # every rank must take part in new_group
+        if rank < k:
+            for stage in range(4):
+                mem = train_and_measure(stage, rank, group)["mem"]
+                held = mem["params"] + grads_held(stage, mem) + mem["optimizer"]
+                assert held == sum(zero_bytes(psi, k, stage).values()), (stage, k, held)
+                measured[stage, k] = held
+    plt = pyplot() if rank == 0 else None
+    if plt is None:
+        return
+    ns = list(range(1, max(8, world) + 1))
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    formulas = ["16\u03a8", "8\u03a8 + 8\u03a8/N", "4\u03a8 + 12\u03a8/N", "16\u03a8/N"]
+    for stage in range(4):
+        line, = ax.plot(ns, [sum(zero_bytes(psi, n, stage).values()) / 1024 for n in ns],
+                        label=f"stage {stage}: {formulas[stage]}")
+        ks = [k for s, k in measured if s == stage]
+        ax.plot(ks, [measured[stage, k] / 1024 for k in ks], "o", color=line.get_color(),
+                markersize=7, markerfacecolor="none")
+    ax.plot([], [], "ko", markerfacecolor="none",
+            label="measured, 1 rank" if world == 1 else f"measured, 1 to {world} ranks")
+    ax.set_xlabel("ranks N")
+    ax.set_ylabel("KiB of model state per rank")
+    ax.set_xticks(ns)
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Model state per rank, \u03a8 = {psi:,} params, fp32 Adam (bytes)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", help="also save a PNG of bytes per rank against the number of "
+                                       "ranks, formulas and measurements (needs matplotlib)")
+    args = parser.parse_args()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session() as (rank, world):
+        main(rank, world, args.plot)

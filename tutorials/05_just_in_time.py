@@ -9,15 +9,22 @@ memory a rank ever holds is about ONE unit (two with prefetch), not the whole mo
 works if the model is cut into several units. This script prints the timeline of one step, unit
 by unit, and measures the peak of gathered bytes with one unit for the whole model versus one unit
 per block. It asserts that per-block units bring the peak down to the largest unit.
+
+With ``--plot FILE.png`` it draws the three runs one above the other on one time axis: the
+full-parameter bytes held, forward and backward shaded, each unit's compute labelled, and the time
+spent WAITING for a collective drawn as such (a flat stretch of the line is often not computing
+but waiting, e.g. for an earlier unit's reduce-scatter to make room).
 """
 import argparse
-from datetime import timedelta
+import contextlib
+import math
+import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import minishard
+from minishard import comm
 from minishard.memory import bar_chart, fmt_bytes, pyplot
 
 WIDTH, BLOCKS = 64, 6
@@ -32,6 +39,31 @@ class Block(nn.Module):
         return torch.relu(self.linear(x))
 
 
+def padded_bytes(numel: int, world: int) -> int:
+    """A unit's gathered buffer: its elements padded up to a multiple of N (every rank's shard
+    has the same size, as the collectives need), in fp32. With N = 3, a 4160-element block
+    gathers 4161."""
+    return math.ceil(numel / world) * world * 4
+
+
+@contextlib.contextmanager
+def record_waits():
+    """The (start, end) of every wait for a collective, for the picture only: wraps
+    ``comm.Handle.wait``, the one place every collective is waited for (``Ledger.blocked_s`` adds
+    up the same waits)."""
+    waits, original = [], comm.Handle.wait
+
+    def wait(handle):
+        start = time.perf_counter()
+        original(handle)
+        waits.append((start, time.perf_counter()))
+    comm.Handle.wait = wait
+    try:
+        yield waits
+    finally:
+        comm.Handle.wait = original
+
+
 def one_step(units, prefetch=False):
     torch.manual_seed(0)
     model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=3,
@@ -41,29 +73,31 @@ def one_step(units, prefetch=False):
     model(x).sum().backward()  # a first step records the forward order (used by prefetch)
     opt.step()
     opt.zero_grad()
-    with model.record_events() as events:
-        model(x).sum().backward()
+    with model.record_events() as events, record_waits() as waits, minishard.ledger() as led:
+        start = time.perf_counter()
+        loss = model(x).sum()
+        backward_at = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
     opt.step()
-    return model, events
+    return model, {"events": events, "waits": waits, "blocked_s": led.blocked_s,
+                   "start": start, "backward_at": backward_at, "end": end}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", help="also save a PNG of the timeline (needs matplotlib)")
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int, plot: str | None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    block_bytes = (WIDTH * WIDTH + WIDTH) * 4  # one block's full fp32 parameters (no padding here)
+    block_numel = WIDTH * WIDTH + WIDTH  # one block's parameters
+    block_bytes = padded_bytes(block_numel, world)
 
-    whole, _ = one_step(units=None)
-    per_block, events = one_step(units={Block})
-    prefetched, _ = one_step(units={Block}, prefetch=True)
+    runs = {}
+    whole, runs["one unit"] = one_step(units=None)
+    per_block, runs["per block"] = one_step(units={Block})
+    prefetched, runs["per block + prefetch"] = one_step(units={Block}, prefetch=True)
+    events = runs["per block"]["events"]
 
     say(f"One stage-3 step on rank 0 of {world}, {BLOCKS} blocks, each its own unit:\n")
     say(f"{'t (ms)':>8}  {'event':<9}{'unit':<6}{'full params held':>18}")
-    t0 = events[0]["t"]
+    t0 = runs["per block"]["start"]
     for e in events:
         bar = "#" * round(e["gathered_bytes"] / block_bytes * 4)
         say(f"{1000 * (e['t'] - t0):8.2f}  {e['event']:<9}{e['unit']:<6}"
@@ -79,27 +113,64 @@ def main() -> None:
              "per block + prefetch": prefetched.peak_gathered_bytes}
     say("\nPeak of gathered full parameters on this rank:")
     say(bar_chart([(k, {"gathered": v}) for k, v in peaks.items()]))
-    assert peaks["one unit"] == BLOCKS * block_bytes   # everything at once
-    assert peaks["per block"] == block_bytes           # one block at a time
-    assert peaks["per block + prefetch"] <= 2 * block_bytes  # this one and the next
+    # Padding: a unit is gathered as N equal shards, so its elements are rounded up to a multiple
+    # of N (nothing to round with 1, 2 or 4 ranks here; one element per block with 3).
+    assert peaks["one unit"] == padded_bytes(BLOCKS * block_numel, world)  # everything at once
+    assert peaks["per block"] == block_bytes                   # one block at a time
+    assert peaks["per block + prefetch"] <= 2 * block_bytes    # this one and the next
     say(f"\nPer-block units cut the peak from {fmt_bytes(peaks['one unit'])} to "
-        f"{fmt_bytes(peaks['per block'])} ({BLOCKS}x); prefetch holds at most two blocks. "
-        "All assertions held.")
+        f"{fmt_bytes(peaks['per block'])} ({peaks['one unit'] / peaks['per block']:.2f}x); "
+        "prefetch holds at most two blocks. All assertions held.")
+    for name, run in runs.items():
+        say(f"   {name:<22} step {1000 * (run['end'] - run['start']):6.2f} ms, of which "
+            f"{1000 * run['blocked_s']:6.2f} ms waiting for collectives (not asserted: timing)")
 
-    plt = pyplot() if args.plot and rank == 0 else None
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        ax.step([1000 * (e["t"] - t0) for e in events],
-                [e["gathered_bytes"] / 1024 for e in events], where="post")
-        ax.set_xlabel("ms into the step")
-        ax.set_ylabel("gathered KiB")
-        ax.set_title("Stage 3: full parameters held over one step (rank 0)")
-        fig.tight_layout()
-        fig.savefig(args.plot)
-        say(f"saved {args.plot}")
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
+    if plot and rank == 0:
+        draw(plot, runs, world)
+
+
+def draw(path: str, runs: dict, world: int) -> None:
+    """The three runs stacked, on one time axis: bytes held, phases, units, waits."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(len(runs), 1, figsize=(9, 2.2 * len(runs)), sharex=True)
+    for ax, (name, run) in zip(axes, runs.items()):
+        t0 = run["start"]
+        ms = lambda t: 1000 * (t - t0)  # noqa: E731
+        ev = run["events"]
+        ax.axvspan(0, ms(run["backward_at"]), color="tab:blue", alpha=0.07, lw=0)
+        ax.axvspan(ms(run["backward_at"]), ms(run["end"]), color="tab:orange", alpha=0.07, lw=0)
+        for i, (a, b) in enumerate(run["waits"]):
+            ax.axvspan(ms(a), ms(b), color="tab:red", alpha=0.35, lw=0,
+                       label="waiting for a collective" if i == 0 else None)
+        xs = [0.0] + [ms(e["t"]) for e in ev] + [ms(run["end"])]
+        # Nothing is gathered when a stage-3 step starts: the previous one freed everything.
+        ys = [0.0] + [e["gathered_bytes"] / 1024 for e in ev] + [ev[-1]["gathered_bytes"] / 1024]
+        ax.step(xs, ys, where="post", color="black", lw=1.2, label="full params held")
+        top = max(ys) or 1.0
+        for e in ev:
+            if e["event"] in ("forward", "backward") and e["unit"] != "<root>":
+                ax.annotate(("f" if e["event"] == "forward" else "b") + e["unit"],
+                            (ms(e["t"]), top * 1.02), fontsize=7, ha="center")
+        ax.set_ylim(0, top * 1.25)
+        ax.set_ylabel("KiB")
+        ax.set_title(f"{name}: peak {fmt_bytes(max(e['gathered_bytes'] for e in ev))}, "
+                     f"{1000 * run['blocked_s']:.1f} ms of "
+                     f"{ms(run['end']):.1f} ms waiting", fontsize=9, loc="left")
+    axes[0].legend(fontsize=7, loc="upper right")
+    axes[-1].set_xlabel("ms into one stage-3 step (rank 0); blue: forward, orange: backward; "
+                        "fN/bN: unit N computes")
+    fig.suptitle(f"Stage 3, {BLOCKS} blocks, {world} ranks: full parameters held over one step")
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"saved {path}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", help="also save a PNG of the three timelines (needs matplotlib)")
+    args = parser.parse_args()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session() as (rank, world):
+        main(rank, world, args.plot)

@@ -1,14 +1,20 @@
 """Tutorial 06: a complete stage-3 training loop, and a checkpoint that outlives its world size.
 
     torchrun --standalone --nproc_per_node=4 tutorials/06_training_loop.py    (saves at 2, resumes at 4)
+    torchrun --standalone --nproc_per_node=3 tutorials/06_training_loop.py    (saves at 1, resumes at 3)
     torchrun --standalone --nproc_per_node=2 tutorials/06_training_loop.py    (saves at 1, resumes at 2)
 
 Everything a real loop needs, each piece with the reason it is there:
 
   * bf16 mixed precision: compute and all-gathers in bf16 (half the bytes), fp32 master shards
     in the optimizer, gradients reduced in fp32 here (reduce_dtype) for accuracy;
-  * gradient accumulation: micro-batches under ``no_sync()`` keep full local gradients and
-    communicate nothing; the last micro-batch's backward reduce-scatters the sum;
+  * gradient accumulation, and the choice it hides. Under ``no_sync()`` a micro-batch's backward
+    skips the reduce-scatter and keeps the unit's FULL gradient; the last micro-batch's backward
+    reduce-scatters the sum. At stage 3 that is not "no communication": every micro-batch still
+    all-gathers every unit's parameters, in forward and again in backward (the shards are all a
+    rank has). It saves the reduce-scatters of M-1 micro-batches and pays with the full gradients
+    of the WHOLE model held until the last one, the very memory stage 3 exists to save. Part 1
+    measures both ways (ledger bytes, memory_report peaks), asserts them, and gives the rule;
   * clipping by the GLOBAL gradient norm, over every rank's shard (model.clip_grad_norm_, not
     torch.nn.utils.clip_grad_norm_, which would only see this rank's shard);
   * a checkpoint: one file per rank plus meta.pt written last (atomic), reloadable at another
@@ -17,18 +23,21 @@ Everything a real loop needs, each piece with the reason it is there:
     parameters.
 """
 import contextlib
+import math
 import os
 import shutil
 import tempfile
-from datetime import timedelta
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import minishard
+from minishard.memory import fmt_bytes
 
-GLOBAL_BATCH, MICRO_BATCHES, STEPS, SAVE_AFTER = 16, 2, 4, 2
+# 24 samples: an equal share for 1, 2, 3 or 4 ranks, and two equal micro-batches of it.
+GLOBAL_BATCH, MICRO_BATCHES, STEPS, SAVE_AFTER = 24, 2, 4, 2
 
 
 class Block(nn.Module):
@@ -41,9 +50,9 @@ class Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
-def build(group):
+def build(group, blocks: int = 3):
     torch.manual_seed(0)
-    module = nn.Sequential(*[Block() for _ in range(3)], nn.Linear(32, 1))
+    module = nn.Sequential(*[Block() for _ in range(blocks)], nn.Linear(32, 1))
     model = minishard.ZeRO(module, stage=3, units={Block}, process_group=group, prefetch=True,
                            mixed_precision=minishard.MixedPrecision(param_dtype=torch.bfloat16,
                                                                     reduce_dtype=torch.float32))
@@ -66,7 +75,8 @@ def train_step(model, opt, step: int, rank: int, world: int) -> float:
     total = 0.0
     for i in range(MICRO_BATCHES):
         xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
-        # all but the last micro-batch: accumulate locally, communicate nothing
+        # all but the last micro-batch: no reduce-scatter, accumulate the full gradients
+        # locally (the choice is measured in accumulation_costs above)
         accumulate = model.no_sync() if i < MICRO_BATCHES - 1 else contextlib.nullcontext()
         with accumulate:
             loss = (model(xs).float() - ys).square().mean() / MICRO_BATCHES
@@ -80,12 +90,81 @@ def train_step(model, opt, step: int, rank: int, world: int) -> float:
     return mean_loss.item(), norm.item()
 
 
-def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world % 2 == 0 or world == 1, "run with an even number of ranks"
+def accumulation_costs(rank: int, world: int, say) -> None:
+    """One step of M micro-batches at stage 3, twice: reduce-scattering every micro-batch, and
+    under no_sync for all but the last. Bytes from the ledger, memory from memory_report."""
+    M, micro, blocks = 4, 2, 8  # micro-batches per step, samples per micro-batch and rank
+    x, y = batch(0)  # this rank's M x 2 samples, whatever the world size
+    x, y = x.roll(-rank * micro, 0)[:M * micro], y.roll(-rank * micro, 0)[:M * micro]
+    costs, grads = {}, {}
+    for way in ("reduce every micro-batch", "no_sync until the last"):
+        model, _ = build(None, blocks)
+        ledgers, peak_full_grads, peak_gathered = [], 0, 0
+        for i in range(M):
+            skip = way.startswith("no_sync") and i < M - 1
+            with (model.no_sync() if skip else contextlib.nullcontext()), \
+                    minishard.ledger() as led:
+                xs, ys = x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro]
+                ((model(xs).float() - ys).square().mean() / M).backward()
+            report = model.memory_report()  # peaks of THIS micro-batch's forward and backward
+            peak_full_grads = max(peak_full_grads, report["peak_full_grads"])
+            peak_gathered = max(peak_gathered, report["peak_gathered_params"])
+            ledgers.append(led)
+        costs[way] = {"gather": [led.total_bytes("all_gather") for led in ledgers],
+                      "reduce": [led.total_bytes("reduce_scatter") for led in ledgers],
+                      "full grads": peak_full_grads, "gathered": peak_gathered}
+        grads[way] = [p.grad.clone() for p in model.parameters()]
+
+    # The oracle for the bytes, from the model's shapes alone. Each unit is padded to a multiple
+    # of N elements (P in all); per micro-batch, stage 3 all-gathers every unit twice (forward,
+    # backward) in bf16 and reduce-scatters it once in fp32 (reduce_dtype), (N-1)/N of each.
+    padded = lambda n: math.ceil(n / world) * world  # noqa: E731
+    block = padded(sum(p.numel() for p in Block().parameters()))
+    P = blocks * block + padded(32 + 1)                                    # the blocks + the head
+    gather = Fraction(2 * 2 * P * (world - 1), world)
+    reduce = Fraction(4 * P * (world - 1), world)
+    every, nosync = costs["reduce every micro-batch"], costs["no_sync until the last"]
+    assert every["gather"] == nosync["gather"] == [gather] * M, costs  # no_sync gathers the same
+    assert every["reduce"] == [reduce] * M, costs
+    assert nosync["reduce"] == [0] * (M - 1) + [reduce], costs          # one reduce-scatter
+    # Memory: the same parameters gathered at a time; but under no_sync every unit's full bf16
+    # gradient stays alive until the last backward reduces it: 2 bytes x P, the whole model.
+    assert every["gathered"] == nosync["gathered"], costs
+    assert nosync["full grads"] == 2 * P, costs
+    # Reducing as it goes, a rank holds at most three units' full gradients at once: two
+    # reduce-scatters in flight and the unit whose backward is finishing.
+    assert every["full grads"] <= 3 * 2 * block, costs
+    # Both give the same gradient up to bf16 rounding: under no_sync the full gradients are
+    # accumulated in the compute dtype (bf16), reduced every micro-batch they are summed in fp32.
+    drift = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads.values()))
+    assert drift < 2e-2, drift
+
+    say(f"1. Gradient accumulation at stage 3: one step of {M} micro-batches, {world} rank(s), "
+        f"{blocks} blocks + a head,\n   P = {P:,} parameters (padded), bf16 compute.")
+    say(f"   {'':<26}{'all-gathered':>14}{'reduce-scattered':>18}{'peak full grads':>17}"
+        f"{'peak gathered params':>22}")
+    for way, c in costs.items():
+        say(f"   {way:<26}{fmt_bytes(float(sum(c['gather']))):>14}"
+            f"{fmt_bytes(float(sum(c['reduce']))):>18}{fmt_bytes(c['full grads']):>17}"
+            f"{fmt_bytes(c['gathered']):>22}")
+    saved = (M - 1) * reduce
+    say(f"   (asserted) no_sync still all-gathers {fmt_bytes(float(gather))} per micro-batch, "
+        f"saves {M - 1} reduce-scatters\n   ({fmt_bytes(float(saved))} per step), and holds "
+        f"the whole model's full gradients ({fmt_bytes(2 * P)})\n   instead of three units' at "
+        f"most. Same gradients up to bf16 rounding (no_sync accumulates\n   in bf16): max "
+        f"relative difference {drift:.1e}, asserted < 2e-2.")
+    say("   Rule: at stage 3 accumulate WITHOUT no_sync (reduce-scatter every micro-batch) unless "
+        "the\n   full gradients of the whole model fit beside everything else AND the network, "
+        "not memory,\n   is what limits you; then no_sync saves (M-1)/M of the reduce-scatter "
+        "traffic. (FSDP2's\n   set_requires_gradient_sync(False) is the same trade.) At stages "
+        "0-1 full gradients live\n   anyway: there no_sync is free memory-wise. This small model "
+        "fits, so the loop below uses it.\n")
+
+
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
+    accumulation_costs(rank, world, say)
+    say("2. Training, a checkpoint at half the ranks, and resuming at all of them.")
     half = max(1, world // 2)
     first_half = dist.new_group(list(range(half)))  # every rank must take part in new_group
     root = os.path.join(tempfile.gettempdir(),
@@ -121,11 +200,12 @@ def main() -> None:
         assert worst < 2e-2, worst
         say(f"\nResumed at {world} ranks vs uninterrupted at {half}: max |param diff| "
             f"{worst:.1e} (bf16 compute). All assertions held.")
-    dist.barrier()
+    dist.barrier()  # every rank has read the checkpoint: now it may go
     if rank == 0:
         shutil.rmtree(root)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session() as (rank, world):
+        main(rank, world)

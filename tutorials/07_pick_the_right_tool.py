@@ -23,7 +23,6 @@ import argparse
 import math
 import statistics
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,15 +58,8 @@ def step(model, opt, x) -> None:
     opt.zero_grad()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plot", help="also save a PNG of memory and step time (needs matplotlib)")
-    args = parser.parse_args()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)  # N ranks share this machine's cores
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int, plot: str | None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    assert world >= 2, "run with at least 2 ranks: with one rank every stage holds the same bytes"
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
 
@@ -153,9 +145,10 @@ def main() -> None:
     assert lowest == {1e9: 0, 7e9: 1, 70e9: None}, lowest
     assert min_ranks(70e9, memory, 3, "adam", True) == 14
     say("\nAsserted: 1B trains with plain DDP; 7B needs stage 1; 70B does not fit on 8 GPUs at any "
-        "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.")
+        "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.\n"
+        "All assertions held.")
 
-    plt = pyplot() if args.plot and rank == 0 else None
+    plt = pyplot() if plot and rank == 0 else None
     if plt is not None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(8, 3))
         labels = [f"stage {s}" for s in range(4)]
@@ -165,11 +158,16 @@ def main() -> None:
         right.set_ylabel("ms per step (median)")
         fig.suptitle(f"{psi:,} parameters, fp32 Adam, {world} ranks")
         fig.tight_layout()
-        fig.savefig(args.plot)
-        say(f"saved {args.plot}")
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
+        fig.savefig(plot)
+        say(f"saved {plot}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", help="also save a PNG of memory and step time (needs matplotlib)")
+    args = parser.parse_args()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session(
+            world_sizes=minishard.launch.at_least(2),
+            why="with one rank every stage holds the same bytes") as (rank, world):
+        main(rank, world, args.plot)

@@ -19,10 +19,8 @@ different model. Every claim printed below is asserted.
 """
 import argparse
 from collections import OrderedDict
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -298,22 +296,19 @@ BUGS = {"syncbn-skip": syncbn_skip, "naive-variance": naive_variance,
         "sum-not-average": sum_not_average, "split-tied": split_tied}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--bug", choices=sorted(BUGS), help="run one (default: all four)")
-    args = parser.parse_args()
-    # gloo runs on CPU; the timeout turns a rank stuck in a collective into an error, not a hang.
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)  # N ranks share this machine's cores
-    rank, world = dist.get_rank(), dist.get_world_size()
-    assert world >= 2, "these bugs need at least 2 ranks"
+def main(rank: int, world: int, bug: str | None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    for name in [args.bug] if args.bug else BUGS:
+    for name in [bug] if bug else BUGS:
         BUGS[name](rank, world, say)
     say("All assertions held.")
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bug", choices=sorted(BUGS), help="run one (default: all four)")
+    args = parser.parse_args()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session(
+            world_sizes=minishard.launch.at_least(2),
+            why="each of these bugs is a disagreement between ranks") as (rank, world):
+        main(rank, world, args.bug)
