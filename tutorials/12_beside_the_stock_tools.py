@@ -18,8 +18,8 @@ both equal one process trained on the global batch):
 Every step is the complete loop of tutorial 06 in each tool's own spelling: two micro-batches, the
 first without gradient synchronisation (minishard ``no_sync``, FSDP2
 ``set_requires_gradient_sync(False)``), clipping by the global gradient norm, an SGD step; the
-final parameters are read the way each tool offers (``full_state_dict()``,
-``summon_full_params``, ``DTensor.full_tensor()``). SGD keeps the comparison strict: float rounding that differs between
+final parameters are read the way each tool offers (``full_state_dict()``, ``summon_full_params``,
+``DTensor.full_tensor()``). SGD keeps the comparison strict: float rounding that differs between
 tools stays at rounding size (Adam divides by the square root of tiny second moments in its first
 steps and can amplify it).
 
@@ -274,7 +274,8 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         raise SystemExit(2)
-    say(f"{world} rank{'s' if world > 1 else ''}; {BLOCKS} blocks of Linear({WIDTH}, {WIDTH}); {STEPS} steps of SGD "
+    say(f"{world} rank{'s' if world > 1 else ''}; {BLOCKS} blocks of Linear({WIDTH}, {WIDTH}); "
+        f"{STEPS} steps of SGD "
         f"(momentum {MOMENTUM}), each 2 micro-batches (the first without gradient sync) and "
         f"clipping to norm {MAX_NORM}.\n")
     want = reference()
