@@ -462,3 +462,22 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
         return _finish(None, async_op)
     work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
     return _finish(work, async_op)
+
+
+# ------------------------------------------------------------------------------ point to point
+_P2P_TAG = 0x7032  # "p2": apart from the reduce-scatter exchange's messages and users' tag 0
+
+
+@torch.no_grad()
+def send_recv(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
+    """Send ``send`` to group rank ``dst`` WHILE receiving ``recv`` (in place) from group rank
+    ``src``; returns when both are done. Both at once, because in a ring where every rank first
+    sends (blocking) and then receives, every rank can wait for a receiver that is itself still
+    sending. Point-to-point, not a collective: the ledger does not record it (the exercises in
+    minishard/exercise.py count its bytes themselves)."""
+    if not recv.is_contiguous():
+        raise ValueError("send_recv: recv must be contiguous (it is received in place)")
+    works = [dist.isend(send.contiguous(), _global(group, dst), group=group, tag=_P2P_TAG),
+             dist.irecv(recv, _global(group, src), group=group, tag=_P2P_TAG)]
+    for work in works:
+        work.wait()

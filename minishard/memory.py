@@ -63,3 +63,70 @@ def pyplot():
         print("--plot: matplotlib is not installed (pip install 'minishard[plot]'); skipped.")
         return None
     return plt
+
+
+# ------------------------------------------------------------------------------- activations
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int,
+                               checkpointing: bool = False, element_bytes: int = 2) -> float:
+    """Activation bytes ONE transformer layer keeps for its backward, per rank (no tensor or
+    sequence parallelism), from Korthikanti et al. 2022, "Reducing Activation Recomputation in
+    Large Transformer Models" (arXiv:2205.05198, section 4.1 and Table 2), for sequence length
+    s, micro-batch b, hidden size h, a attention heads, 16-bit activations, 1-byte dropout masks:
+
+        attention  11sbh + 5as²b   QKV input 2, Q and K 4, V 2, projection input 2, its dropout
+                                   mask 1 (all x sbh); softmax output 2, dropout mask 1, dropout
+                                   output 2 (all x as²b: the scores, quadratic in s)
+        MLP        19sbh           first linear's input 2, GeLU input 8, second linear's input 8
+                                   (4h wide), dropout mask 1
+        LayerNorms  4sbh           two inputs of 2sbh
+        total      sbh(34 + 5as/h)
+
+    With full activation checkpointing a layer keeps only its input: 2sbh (the paper's
+    "full recomputation" row). ``element_bytes`` = 4 (fp32 activations) rescales the 2-byte
+    items of the same itemisation, masks staying 1 byte: sbh(66 + 9as/h); that case is our
+    derivation, not a number from the paper. FlashAttention-style kernels never store the
+    as²b terms (the paper's "selective recomputation" keeps the same 34sbh)."""
+    s, b, h, a, e = seq, micro_batch, hidden, heads, element_bytes
+    if checkpointing:
+        return e * s * b * h
+    linear = (16 * e + 2) * s * b * h         # e = 2: 34 sbh (32 in 2-byte tensors + 2 masks)
+    scores = (2 * e + 1) * a * s * s * b      # e = 2: 5 as²b
+    return linear + scores
+
+
+def activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int,
+                     checkpointing: bool = False, element_bytes: int = 2) -> float:
+    """Peak activation bytes per rank for a stack of ``layers`` transformer layers.
+
+    Without checkpointing: layers x sbh(34 + 5as/h). With it: every layer's stored input,
+    layers x 2sbh, PLUS one layer's full activations, which exist again while that layer is
+    recomputed in backward (the paper's table counts the stored inputs only). Embeddings,
+    the output layer and the loss (s·b·vocab logits) are not counted."""
+    per = activation_bytes_per_layer(seq, micro_batch, hidden, heads, checkpointing,
+                                     element_bytes)
+    if not checkpointing:
+        return layers * per
+    return layers * per + activation_bytes_per_layer(seq, micro_batch, hidden, heads, False,
+                                                     element_bytes)
+
+
+# ------------------------------------------------------------------------- bytes per step
+def step_bytes(psi: float, stage: int, ranks: int, element_bytes: int = 4) -> float:
+    """Bytes one rank sends per step under the ring model (comm.py), Ψ = ``psi`` parameters of
+    ``element_bytes`` bytes on N = ``ranks`` ranks: stage 0 all-reduces the gradients,
+    2Ψb(N-1)/N; stages 1-2 reduce-scatter them and all-gather the updated parameters, the
+    same 2Ψb(N-1)/N; stage 3 gathers the parameters twice (forward and backward) and
+    reduce-scatters the gradients, 3Ψb(N-1)/N."""
+    collectives = 3 if stage == 3 else 2
+    return collectives * psi * element_bytes * (ranks - 1) / ranks
+
+
+def hybrid_step_bytes(psi: float, nodes: int, ranks_per_node: int,
+                      element_bytes: int = 4) -> dict[str, float]:
+    """Hybrid stage 3 (FSDP's HYBRID_SHARD, DeepSpeed ZeRO++ hpZ): parameters, gradients and
+    optimizer state sharded over the S = ``ranks_per_node`` ranks of a node, replicated across
+    the R = ``nodes`` nodes. Per rank per step: stage 3 inside the node, 3Ψb(S-1)/S; then the
+    rank's gradient shard (Ψ/S elements) is all-reduced with the ranks holding the same shard
+    on the other nodes, 2(Ψ/S)b(R-1)/R, every hop of that ring crossing a node boundary."""
+    s, r, b = ranks_per_node, nodes, element_bytes
+    return {"intra": 3 * psi * b * (s - 1) / s, "cross": 2 * (psi / s) * b * (r - 1) / r}

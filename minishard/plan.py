@@ -1,22 +1,55 @@
-"""Which ZeRO stage fits? The ZeRO paper's memory formulas as a command-line estimator.
+"""Which ZeRO stage fits? The ZeRO paper's memory formulas, activations and communication as a
+command-line estimator.
 
-    python -m minishard.plan --params 7e9 --ranks 8 --memory 80GB --mixed-precision
+    python -m minishard.plan --params 7B --ranks 8 --memory 80GB --mixed-precision
+    python -m minishard.plan --params 1.3e9 --ranks 4 --memory 24GB --mixed-precision \\
+        --layers 24 --hidden 2048 --heads 16 --seq 2048 --micro-batch 4 [--checkpointing]
+    python -m minishard.plan --params 70B --nodes 4 --ranks-per-node 8 --memory 80GB \\
+        --mixed-precision
 
 prints, for stages 0-3, the model-state bytes one rank holds (parameters, gradients, optimizer
-state; the formulas are ``minishard.memory.zero_bytes``), which stages fit in ``--memory``, and a
+state; the formulas are ``minishard.memory.zero_bytes``), the activations of a transformer of the
+given shape, what is left, which stages fit in ``--memory`` minus a stated headroom, and a
 recommendation: the LOWEST stage that fits, because each stage up saves memory by communicating
 more (stage 3: 1.5x the bytes of stages 0-2) or at least more often.
 
-Assumptions (the paper's, section 3):
-  * model states only: activations, temporary buffers, the framework and memory fragmentation are
-    NOT counted. They can be large (activations grow with batch size and sequence length): a stage
-    "fits" here only if what is left over holds them. The "left" column says how much that is.
-  * bytes per parameter: fp32 Adam 4 + 4 + 8 (params, grads, exp_avg + exp_avg_sq); mixed
-    precision Adam 2 + 2 + K with K = 12 (fp32 master params + the two Adam moments); SGD with
-    momentum K = 4 (plus 4 for the master copy in mixed precision).
-  * stage 1 counts full gradients (the paper's accounting). minishard frees them at the end of
-    backward, so they are a peak, not a resident cost; the peak is what has to fit.
+Assumptions:
+  * model states (the ZeRO paper, section 3). Bytes per parameter: fp32 Adam 4 + 4 + 8 (params,
+    grads, exp_avg + exp_avg_sq); mixed precision Adam 2 + 2 + K with K = 12 (fp32 master
+    params + the two Adam moments); SGD with momentum K = 4 (plus 4 for the master copy in mixed
+    precision). Stage 1 counts full gradients (the paper's accounting); minishard frees them at
+    the end of backward, so they are a peak, not a resident cost; the peak is what has to fit.
+  * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", arXiv:2205.05198): sbh(34 + 5as/h) bytes per layer with 16-bit
+    activations (s sequence, b micro-batch, h hidden, a heads), 2sbh per layer with full
+    activation checkpointing plus one layer recomputed at a time
+    (``minishard.memory.activation_bytes``). Only counted when the shape is given; otherwise the
+    "left" column is what remains for them, and the recommendation says how much that is.
+  * headroom (``--headroom``, default 10%): kept free for what neither formula counts (the
+    framework and allocator, fragmentation, temporary buffers, stage 3's gathered units, the
+    logits of the output layer). A stage fits when states + activations <= memory - headroom.
   * GB = 10^9 bytes (as in the paper); GiB = 2^30.
+
+Several nodes (``--nodes R --ranks-per-node S``, N = R·S ranks): a second table sets DDP,
+stages 1-3 over all N ranks and hybrid stage 3 (sharded over the S ranks of a node, replicated
+across nodes: FSDP HYBRID_SHARD, FSDP2 on a 2-D mesh, DeepSpeed ZeRO++ hpZ) side by side, with
+memory per rank and bytes per rank per step (``minishard.memory.step_bytes``) inside a node and
+across nodes, b = 4 bytes per element (2 with --mixed-precision):
+
+    DDP (stage 0)   2Ψb(N-1)/N      all of it crosses nodes when R > 1
+    stages 1-2      2Ψb(N-1)/N      all of it crosses nodes when R > 1
+    stage 3         3Ψb(N-1)/N      all of it crosses nodes when R > 1
+    hybrid          3Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
+
+What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
+ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
+chunk travels the whole ring, so every byte a rank sends reaches the other nodes, and each
+boundary hop carries as many bytes as a rank sends: the whole collective runs at the speed of
+the inter-node link. We therefore count ALL of a rank's bytes as crossing. Hybrid sharding keeps
+the shard-group rings inside a node and crosses nodes only in the all-reduce of each rank's
+gradient shard with its R-1 peers (one per node), a ring in which every hop crosses. The
+recommendation: of the choices that fit, the one with the fewest cross-node bytes (ties: fewest
+bytes in all, then the lowest stage); on one node, the lowest stage that fits.
 
 The paper's Figure 1 (7.5B parameters, 64 ranks, mixed-precision Adam): 120 GB, 31.4 GB, 16.6 GB,
 1.88 GB per rank for stages 0-3. ``python -m minishard.plan --params 7.5e9 --ranks 64
@@ -29,23 +62,49 @@ import math
 import re
 import textwrap
 
-from minishard.memory import OPTIMIZER_BYTES, zero_bytes
+from minishard.memory import (OPTIMIZER_BYTES, activation_bytes, hybrid_step_bytes, step_bytes,
+                              zero_bytes)
 
-__all__ = ["parse_bytes", "fmt_decimal", "estimate", "min_ranks", "report", "main"]
+__all__ = ["parse_bytes", "parse_count", "parse_headroom", "fmt_decimal", "estimate",
+           "min_ranks", "choices", "report", "main"]
 
 _UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9,
           "GB": 10**9, "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+_COUNTS = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z%]*)\s*"
+DEFAULT_HEADROOM = "10%"
 
 
 def parse_bytes(text: str) -> float:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '24G' -> 24e9, '1.5e10' or '1000' -> bytes.
     Decimal units (K, M, G, T, with or without B) are powers of 10, binary ones (KiB, MiB, GiB,
     TiB, or Ki, Mi, Gi, Ti) powers of 2, as in Kubernetes and the SI/IEC prefixes."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text, re.IGNORECASE)
+    match = re.fullmatch(_NUMBER, text, re.IGNORECASE)
     if not match or match.group(2).upper() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use e.g. 80GB, 80GiB, 24G or bytes")
     return float(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+def parse_count(text: str) -> float:
+    """A parameter count: '7B' or '7b' -> 7e9 (B = billion, as model names use it), '70B',
+    '1.3e9', '350M', '125m', '1.5T', '7000000000'."""
+    match = re.fullmatch(_NUMBER, text, re.IGNORECASE)
+    if not match or match.group(2).upper() not in _COUNTS:
+        raise ValueError(f"cannot read {text!r} as a parameter count: use e.g. 7B, 70b, 350M, "
+                         "1.3e9 or 7000000000")
+    return float(match.group(1)) * _COUNTS[match.group(2).upper()]
+
+
+def parse_headroom(text: str, memory: float) -> float:
+    """'10%' -> a tenth of ``memory``; '2GB' (any size parse_bytes reads) -> those bytes."""
+    text = text.strip()
+    if text.endswith("%"):
+        pct = float(parse_count(text[:-1]))
+        if not 0 <= pct < 100:
+            raise ValueError(f"headroom {text!r}: a percentage must be in [0, 100)")
+        return memory * pct / 100
+    return parse_bytes(text)
 
 
 def fmt_decimal(n: float) -> str:
@@ -58,14 +117,17 @@ def fmt_decimal(n: float) -> str:
 
 
 def estimate(params: float, ranks: int, memory: float, optimizer: str = "adam",
-             mixed_precision: bool = False) -> list[dict]:
-    """One row per stage: the per-rank bytes by term, their total, what is left, whether it fits."""
+             mixed_precision: bool = False, headroom: float = 0.0,
+             activations: float = 0.0) -> list[dict]:
+    """One row per stage: the per-rank bytes by term, their total (model states), the
+    activations, what is left of ``memory - headroom`` after both, and whether that is >= 0."""
     rows = []
     for stage in range(4):
         terms = zero_bytes(params, ranks, stage, optimizer, mixed_precision)
         total = sum(terms.values())
-        rows.append({"stage": stage, **terms, "total": total, "left": memory - total,
-                     "fits": total <= memory})
+        left = memory - headroom - total - activations
+        rows.append({"stage": stage, **terms, "total": total, "activations": activations,
+                     "left": left, "fits": left >= 0})
     return rows
 
 
@@ -82,64 +144,234 @@ def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
     return 1 if divisible == 0 else max(1, math.ceil(divisible / (memory - fixed)))
 
 
+def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
+            optimizer: str = "adam", mixed_precision: bool = False, headroom: float = 0.0,
+            activations: float = 0.0) -> list[dict]:
+    """Multi-node: DDP, stages 1-3 over all R·S ranks, and hybrid stage 3, each with its memory
+    per rank (model states + activations), bytes per rank per step inside a node and across
+    nodes (the module docstring's table), what is left, and whether it fits."""
+    n, elem = nodes * ranks_per_node, 2 if mixed_precision else 4
+    rows = []
+    for stage in range(4):
+        sent = step_bytes(params, stage, n, elem)
+        crossing = nodes > 1  # one ring over every rank: see "crosses nodes" in the docstring
+        states = sum(zero_bytes(params, n, stage, optimizer, mixed_precision).values())
+        rows.append({"choice": "DDP (stage 0)" if stage == 0 else f"stage {stage}",
+                     "stage": stage, "states": states, "intra": 0.0 if crossing else sent,
+                     "cross": sent if crossing else 0.0})
+    hybrid = hybrid_step_bytes(params, nodes, ranks_per_node, elem)
+    rows.append({"choice": "hybrid stage 3", "stage": 3,
+                 "states": sum(zero_bytes(params, ranks_per_node, 3, optimizer,
+                                          mixed_precision).values()), **hybrid})
+    for row in rows:
+        row["memory"] = row["states"] + activations
+        row["left"] = memory - headroom - row["memory"]
+        row["fits"] = row["left"] >= 0
+    return rows
+
+
+def recommend_choice(rows: list[dict]) -> dict | None:
+    """Of the fitting choices, the fewest cross-node bytes, then fewest bytes, then lowest stage
+    (on one node every choice crosses nothing: the lowest stage that fits)."""
+    fitting = [r for r in rows if r["fits"]]
+    return min(fitting, key=lambda r: (r["cross"], r["cross"] + r["intra"], r["stage"]),
+               default=None)
+
+
+def _activation_lines(shape: dict | None, element_bytes: int) -> tuple[list[str], float]:
+    if shape is None:
+        return (["activations NOT counted (give --layers --hidden --heads --seq --micro-batch "
+                 "to count them): the 'left' column is what remains for them."], 0.0)
+    dims = {k: shape[k] for k in ("layers", "seq", "micro_batch", "hidden", "heads")}
+    plain = activation_bytes(**dims, checkpointing=False, element_bytes=element_bytes)
+    ckpt = activation_bytes(**dims, checkpointing=True, element_bytes=element_bytes)
+    used = ckpt if shape["checkpointing"] else plain
+    lines = [
+        f"activations per rank (Korthikanti et al. 2022, sbh(34 + 5as/h) bytes per layer at "
+        f"16 bits): {shape['layers']} layers, s={shape['seq']}, b={shape['micro_batch']}, "
+        f"h={shape['hidden']}, a={shape['heads']}: {fmt_decimal(plain)} without "
+        f"checkpointing, {fmt_decimal(ckpt)} with full activation checkpointing "
+        f"(counted: {'with' if shape['checkpointing'] else 'without'})."]
+    return lines, used
+
+
 def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
-           mixed_precision: bool = False) -> str:
-    rows = estimate(params, ranks, memory, optimizer, mixed_precision)
+           mixed_precision: bool = False, headroom: float = 0.0, shape: dict | None = None,
+           nodes: int | None = None) -> str:
+    """The printed estimate. ``shape``: {layers, seq, micro_batch, hidden, heads,
+    checkpointing} or None; ``nodes``: with ``ranks`` ranks per node, adds the multi-node table."""
+    elem = 2 if mixed_precision else 4
+    world = ranks * (nodes or 1)
+    act_lines, acts = _activation_lines(shape, elem)
+    rows = estimate(params, world, memory, optimizer, mixed_precision, headroom, acts)
     k = zero_bytes(1, 1, 0, optimizer, mixed_precision)
     precision = "mixed precision (bf16/fp16 params and grads)" if mixed_precision else "fp32"
+    where = f"{nodes} nodes x {ranks} ranks" if nodes else f"{ranks} ranks"
     lines = [
-        f"{params:,.0f} parameters on {ranks} ranks with {fmt_decimal(memory)} each, "
+        f"{params:,.0f} parameters on {where} with {fmt_decimal(memory)} each, "
         f"{precision}, {optimizer}:",
         f"bytes per parameter: params {k['params']:g}, grads {k['grads']:g}, optimizer state "
         f"{k['optimizer']:g} (K{', with the fp32 master copy' if mixed_precision else ''})",
-        "model states only: activations, temporary buffers and fragmentation are NOT counted.",
+        f"headroom kept free: {fmt_decimal(headroom)} (framework, fragmentation, temporary "
+        f"buffers): {fmt_decimal(memory - headroom)} usable per rank.",
+        *textwrap.wrap(" ".join(act_lines), 100),
         "",
-        f"{'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}{'left':>11}  fits",
     ]
+    act_col = shape is not None
+    head = f"{'stage':<6}{'params':>11}{'grads':>11}{'optimizer':>11}{'total':>11}"
+    lines.append(head + (f"{'activations':>13}" if act_col else "") + f"{'left':>11}  fits")
     for r in rows:
-        lines.append(f"{r['stage']:<6}" + "".join(
-            f"{fmt_decimal(r[t]):>11}" for t in ("params", "grads", "optimizer", "total", "left"))
+        cells = "".join(f"{fmt_decimal(r[t]):>11}" for t in ("params", "grads", "optimizer",
+                                                            "total"))
+        if act_col:
+            cells += f"{fmt_decimal(r['activations']):>13}"
+        lines.append(f"{r['stage']:<6}{cells}{fmt_decimal(r['left']):>11}  "
+                     f"{'yes' if r['fits'] else 'no'}")
+    lines.append("")
+    if nodes:
+        lines += _multi_node_lines(params, nodes, ranks, memory, optimizer, mixed_precision,
+                                   headroom, acts, act_col)
+    else:
+        lines += textwrap.wrap(_advice(rows, params, world, memory - headroom - acts, optimizer,
+                                       mixed_precision, act_col, shape), 100)
+    return "\n".join(lines)
+
+
+def _left_words(row: dict, counted: bool) -> str:
+    if counted:
+        return (f"{fmt_decimal(row['left'])} stays free beyond the counted activations and the "
+                "headroom")
+    return f"it leaves {fmt_decimal(row['left'])} per rank for activations"
+
+
+def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, shape) -> str:
+    fitting = [r for r in rows if r["fits"]]
+    if fitting and fitting[0]["stage"] == 0:
+        return (f"Recommendation: stage 0; {_left_words(fitting[0], counted)}. If the model "
+                "fits, plain DDP (stage 0) is simplest and fastest: nothing to gather, one "
+                "all-reduce of the gradients per step. Higher stages only buy room for "
+                "activations (larger batches).")
+    if fitting:
+        s = fitting[0]
+        return (f"Recommendation: stage {s['stage']}, the lowest stage that fits; "
+                f"{_left_words(s, counted)} (stages 1-2 send the same bytes as DDP; stage 3 "
+                "sends 1.5x as many, gathering parameters in every forward and backward).")
+    hint = ""
+    if shape is not None and not shape["checkpointing"]:
+        hint = (" Or activation checkpointing (--checkpointing: each layer keeps its 2sbh input "
+                "and is recomputed in backward).")
+    need = min_ranks(params, usable, 3, optimizer, mixed_precision) if usable > 0 else None
+    if need is None:
+        return (f"Recommendation: nothing fits on {world} ranks, at any number of ranks: the "
+                "activations and headroom alone fill the memory. Use a smaller micro-batch or "
+                "sequence." + hint)
+    return (f"Recommendation: nothing fits on {world} ranks. Stage 3 needs at least {need} "
+            "ranks of this size for the model states"
+            + (" and activations" if counted else " alone")
+            + "; otherwise offload optimizer state to CPU or split the model (tensor/pipeline "
+            "parallelism)." + hint)
+
+
+def _multi_node_lines(params, nodes, per_node, memory, optimizer, mixed_precision, headroom,
+                      acts, counted) -> list[str]:
+    rows = choices(params, nodes, per_node, memory, optimizer, mixed_precision, headroom, acts)
+    elem = 2 if mixed_precision else 4
+    lines = textwrap.wrap(
+        f"{nodes} nodes x {per_node} ranks. Hybrid: stage 3 over each node's {per_node} ranks, "
+        f"replicated over the {nodes} nodes. Bytes sent per rank per step (ring model, "
+        f"{elem}-byte elements); a ring over all ranks crosses nodes with all of its bytes.", 100)
+    lines += [f"{'choice':<16}{'memory':>11}{'left':>11}{'in node':>11}{'across':>11}  fits"]
+    for r in rows:
+        lines.append(f"{r['choice']:<16}" + "".join(
+            f"{fmt_decimal(r[t]):>11}" for t in ("memory", "left", "intra", "cross"))
             + f"  {'yes' if r['fits'] else 'no'}")
     lines.append("")
-    fitting = [r["stage"] for r in rows if r["fits"]]
-    if fitting and fitting[0] == 0:
-        advice = ("Recommendation: stage 0. If the model fits, plain DDP (stage 0) is simplest "
-                  "and fastest: nothing to gather, one all-reduce of the gradients per step. "
-                  "Higher stages only buy room for activations (larger batches).")
-    elif fitting:
-        s = fitting[0]
-        advice = (f"Recommendation: stage {s}, the lowest stage that fits (stages 1-2 send the "
-                  "same bytes as DDP; stage 3 sends 1.5x as many, gathering parameters in "
-                  "every forward and backward).")
+    best = recommend_choice(rows)
+    if best is None:
+        advice = (f"Recommendation: nothing fits on {nodes * per_node} ranks; add nodes (stage "
+                  "3 over more ranks), offload, or split the model.")
+    elif nodes == 1 or best["cross"] == 0:
+        advice = (f"Recommendation: {best['choice']}, the lowest stage that fits "
+                  f"({_left_words(best, counted)}); on one node nothing crosses a node.")
     else:
-        need = min_ranks(params, memory, 3, optimizer, mixed_precision)
-        advice = (f"Recommendation: nothing fits on {ranks} ranks. Stage 3 needs at least "
-                  f"{need} ranks of this size for the model states alone; otherwise offload "
-                  "optimizer state to CPU or split the model (tensor/pipeline parallelism).")
-    return "\n".join(lines + textwrap.wrap(advice, 100))
+        advice = (f"Recommendation: {best['choice']}: of the choices that fit, it sends the "
+                  f"fewest bytes across nodes, {fmt_decimal(best['cross'])} per rank per step "
+                  f"(inter-node links are the slow ones); {_left_words(best, counted)}.")
+    return lines + textwrap.wrap(advice, 100)
 
 
-def _memory_arg(text: str) -> float:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:  # argparse then prints our message, not "invalid value"
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _arg(parse):
+    def convert(text: str) -> float:
+        try:
+            return parse(text)
+        except ValueError as exc:  # argparse then prints our message, not "invalid value"
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
+_memory_arg = _arg(parse_bytes)
+_SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minishard.plan",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=float, required=True, help="parameters, e.g. 7e9")
-    parser.add_argument("--ranks", type=int, required=True, help="data-parallel ranks (devices)")
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
+    parser.add_argument("--params", type=_arg(parse_count), required=True,
+                        help="parameters: 7B, 70b, 350M, 1.3e9")
+    parser.add_argument("--ranks", type=int, help="data-parallel ranks (devices), one node")
+    parser.add_argument("--nodes", type=int, help="nodes (with --ranks-per-node)")
+    parser.add_argument("--ranks-per-node", type=int, help="ranks on each node")
     parser.add_argument("--memory", type=_memory_arg, required=True,
                         help="memory per rank: 80GB (10^9), 80GiB (2^30), 24G, or bytes")
+    parser.add_argument("--headroom", default=DEFAULT_HEADROOM,
+                        help=f"kept free per rank: a percentage of --memory or a size "
+                             f"(default {DEFAULT_HEADROOM})")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="bf16/fp16 params and grads with an fp32 master copy")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_BYTES))
+    shape = parser.add_argument_group("transformer shape (all five, to count activations)")
+    for name in _SHAPE:
+        shape.add_argument("--" + name.replace("_", "-"), type=int)
+    shape.add_argument("--checkpointing", action="store_true",
+                       help="full activation checkpointing (recompute each layer in backward)")
     args = parser.parse_args(argv)
-    if args.params <= 0 or args.ranks < 1 or args.memory <= 0:
-        parser.error("--params, --ranks and --memory must be positive")
-    print(report(args.params, args.ranks, args.memory, args.optimizer, args.mixed_precision))
+    if args.params <= 0 or args.memory <= 0:
+        parser.error("--params and --memory must be positive")
+    multi = args.nodes is not None or args.ranks_per_node is not None
+    if multi:
+        if args.nodes is None or args.ranks_per_node is None:
+            parser.error("--nodes and --ranks-per-node go together")
+        if args.nodes < 1 or args.ranks_per_node < 1:
+            parser.error("--nodes and --ranks-per-node must be positive")
+        if args.ranks is not None and args.ranks != args.nodes * args.ranks_per_node:
+            parser.error(f"--ranks {args.ranks} is not --nodes x --ranks-per-node = "
+                         f"{args.nodes * args.ranks_per_node}: give one or the other")
+    elif args.ranks is None:
+        parser.error("give --ranks, or --nodes and --ranks-per-node")
+    elif args.ranks < 1:
+        parser.error("--ranks must be positive")
+    given = [n for n in _SHAPE if getattr(args, n) is not None]
+    if given and len(given) < len(_SHAPE):
+        missing = ", ".join("--" + n.replace("_", "-") for n in _SHAPE if n not in given)
+        parser.error(f"to count activations give the whole transformer shape; missing {missing}")
+    if any(getattr(args, n) is not None and getattr(args, n) < 1 for n in _SHAPE):
+        parser.error("the transformer shape's numbers must be positive")
+    if args.checkpointing and not given:
+        parser.error("--checkpointing needs the transformer shape (--layers ... --micro-batch)")
+    try:
+        headroom = parse_headroom(args.headroom, args.memory)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if headroom >= args.memory:
+        parser.error(f"--headroom {args.headroom} leaves nothing of --memory")
+    shape_d = ({n: getattr(args, n) for n in _SHAPE} | {"checkpointing": args.checkpointing}
+               if given else None)
+    per_node = args.ranks_per_node if multi else args.ranks
+    print(report(args.params, per_node, args.memory, args.optimizer, args.mixed_precision,
+                 headroom, shape_d, args.nodes if multi else None))
 
 
 if __name__ == "__main__":

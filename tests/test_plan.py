@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -24,7 +25,9 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import minishard
-from minishard.plan import estimate, main, min_ranks, parse_bytes
+from minishard.memory import activation_bytes, activation_bytes_per_layer
+from minishard.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
+                            parse_headroom)
 
 
 def run_cli(capsys, *argv: str) -> str:
@@ -68,9 +71,12 @@ def test_recommendations(capsys):
     assert table_rows(mid)[0][3] == "112 GB" and table_rows(mid)[1][3] == "38.5 GB"
     assert "Recommendation: stage 1" in mid
     big = run_cli(capsys, "--params", "70e9", "--ranks", "8", "--memory", "80GB",
-                  "--mixed-precision")
+                  "--mixed-precision", "--headroom", "0")
     assert [r[5] for r in table_rows(big).values()] == ["no"] * 4
     assert "nothing fits on 8 ranks" in big and "at least 14 ranks" in big   # 16 x 70e9 / 80e9
+    # with the default 10% headroom, 72 GB usable: 16 x 70e9 / 72e9 = 15.6 -> 16 ranks
+    assert "at least 16 ranks" in run_cli(capsys, "--params", "70B", "--ranks", "8", "--memory",
+                                          "80GB", "--mixed-precision")
     sgd = run_cli(capsys, "--params", "1e9", "--ranks", "8", "--memory", "24G", "--optimizer",
                   "sgd")
     assert table_rows(sgd)[0][:4] == ["4 GB", "4 GB", "4 GB", "12 GB"]     # fp32 SGD: 4+4+4
@@ -113,6 +119,184 @@ def test_module_entry_point():
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert table_rows(proc.stdout)[3][3] == "1.88 GB"
+
+
+# ------------------------------------------------------------- parameter counts and headroom
+@pytest.mark.parametrize("text, value", [
+    ("7B", 7e9), ("70b", 70e9), ("1.3e9", 1.3e9), ("1.3B", 1.3e9), ("350M", 350e6),
+    ("125m", 125e6), ("1.5T", 1.5e12), ("7000000000", 7e9), (" 13 B ", 13e9)])
+def test_parse_count(text, value):
+    assert parse_count(text) == pytest.approx(value, rel=1e-15)
+
+
+@pytest.mark.parametrize("text", ["", "B", "7 billion", "7GB", "-7B", "7BB"])
+def test_parse_count_refuses(text):
+    with pytest.raises(ValueError):
+        parse_count(text)
+
+
+def test_headroom_is_a_percentage_or_a_size():
+    assert parse_headroom("10%", 80e9) == pytest.approx(8e9)
+    assert parse_headroom("2GB", 80e9) == 2e9
+    with pytest.raises(ValueError):
+        parse_headroom("100%", 80e9)
+
+
+def test_cli_accepts_7B_and_refuses_nonsense(capsys):
+    out = run_cli(capsys, "--params", "7B", "--ranks", "8", "--memory", "80GB",
+                  "--mixed-precision")
+    assert table_rows(out)[0][3] == "112 GB"                        # 16 bytes x 7e9
+    base = ["--ranks", "8", "--memory", "80GB"]
+    for argv in (["--params", "7 billion", *base], ["--params", "7B", "--headroom", "120%", *base],
+                 ["--params", "7B", "--layers", "2", *base],
+                 ["--params", "7B", "--checkpointing", *base]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "error:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- activations
+def paper_itemisation(s: int, b: int, h: int, a: int) -> int:
+    """Korthikanti et al. 2022, section 4.1: what one layer stores, item by item (16-bit
+    values, 1-byte dropout masks). Written out here, not taken from minishard.memory."""
+    attention = (2 * s * b * h          # QKV projection input
+                 + 4 * s * b * h        # Q and K, for QK^T
+                 + 2 * a * s * s * b    # softmax output
+                 + a * s * s * b        # softmax dropout mask
+                 + 2 * a * s * s * b    # dropout output, for attention over V
+                 + 2 * s * b * h        # V
+                 + 2 * s * b * h        # output projection input
+                 + s * b * h)           # attention dropout mask
+    mlp = 2 * s * b * h + 8 * s * b * h + 8 * s * b * h + s * b * h  # fc1, GeLU, fc2 in; mask
+    layernorms = 2 * (2 * s * b * h)
+    return attention + mlp + layernorms
+
+
+# The paper's evaluated configurations (its Table 3; sequence 2048, micro-batch 1): name, heads,
+# hidden, layers. Per layer, sbh(34 + 5as/h) bytes; e.g. GPT-3 175B: 2048 x 12288 x (34 + 80).
+PAPER_MODELS = [("22B", 64, 6144, 48), ("175B", 96, 12288, 96), ("530B", 128, 20480, 105),
+                ("1T", 160, 25600, 128)]
+
+
+@pytest.mark.parametrize("name, a, h, layers", PAPER_MODELS)
+def test_activations_match_the_paper(name, a, h, layers):
+    s, b = 2048, 1
+    per_layer = activation_bytes_per_layer(s, b, h, a)
+    # sbh(34 + 5as/h) = 34sbh + 5as²b, in integers
+    assert per_layer == 34 * s * b * h + 5 * a * s * s * b == paper_itemisation(s, b, h, a)
+    assert activation_bytes(layers, s, b, h, a) == layers * per_layer
+    # full recomputation: each layer keeps its 2sbh input; one layer is rebuilt at a time
+    assert activation_bytes_per_layer(s, b, h, a, checkpointing=True) == 2 * s * b * h
+    assert activation_bytes(layers, s, b, h, a, checkpointing=True) == \
+        layers * 2 * s * b * h + per_layer
+    if name == "175B":
+        assert per_layer == 2_868_903_936                   # 2048 * 12288 * 114, by hand
+
+
+@given(s=st.integers(1, 4096), b=st.integers(1, 16), h=st.integers(1, 4096).map(lambda x: 8 * x),
+       a=st.sampled_from([1, 2, 4, 8]))
+def test_activation_formula_is_the_itemisation(s, b, h, a):
+    assert activation_bytes_per_layer(s, b, h, a) == paper_itemisation(s, b, h, a)
+    # fp32 activations (our derivation): every 2-byte item doubles, the masks stay 1 byte
+    masks = 2 * s * b * h + a * s * s * b
+    assert activation_bytes_per_layer(s, b, h, a, element_bytes=4) == \
+        2 * (paper_itemisation(s, b, h, a) - masks) + masks
+
+
+def test_worked_examples():
+    """Two worked examples of the same formula published elsewhere: 8192 x 8192 x (34 + 320) =
+    23.8 GB per layer (h = s = 8192, 64 heads, b = 1), and BERT-base, 128 tokens, 12 layers:
+    51,904,512 bytes."""
+    assert fmt_gb(activation_bytes_per_layer(8192, 1, 8192, 64)) == "23.8"
+    assert activation_bytes(12, 128, 1, 768, 12) == 51_904_512
+
+
+def fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+SHAPE_1_3B = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--seq", "2048",
+              "--micro-batch", "4"]
+
+
+def test_the_issue_case_says_what_is_left_for_activations(capsys):
+    """1.3B on 4 x 24 GB: states alone leave 3.2 GB at stage 0, of which the default 10%
+    headroom (2.4 GB) keeps 2.4 GB: 800 MB left for activations, and the recommendation says so.
+    With the shape counted, 45.9 GB of activations fit nowhere; checkpointed, stage 1 fits."""
+    plain = run_cli(capsys, "--params", "1.3B", "--ranks", "4", "--memory", "24GB",
+                    "--mixed-precision").replace("\n", " ")
+    assert "headroom kept free: 2.4 GB" in plain
+    assert "Recommendation: stage 0; it leaves 800 MB per rank for activations" in plain
+    acts = activation_bytes(24, 2048, 4, 2048, 16)
+    assert fmt_gb(acts) == "45.9"
+    full = run_cli(capsys, "--params", "1.3B", "--ranks", "4", "--memory", "24GB",
+                   "--mixed-precision", *SHAPE_1_3B)
+    assert [r[6] for r in table_rows(full).values()] == ["no"] * 4
+    assert "--checkpointing" in full.split("Recommendation")[1]
+    ckpt = run_cli(capsys, "--params", "1.3B", "--ranks", "4", "--memory", "24GB",
+                   "--mixed-precision", *SHAPE_1_3B, "--checkpointing")
+    rows = table_rows(ckpt)
+    assert [r[6] for r in rows.values()] == ["no", "yes", "yes", "yes"]
+    assert "Recommendation: stage 1" in ckpt
+    left_1 = 21.6e9 - 9.1e9 - activation_bytes(24, 2048, 4, 2048, 16, checkpointing=True)
+    assert rows[1][5] == f"{left_1 / 1e9:.3g} GB" and rows[1][4] == "2.72 GB"
+
+
+@given(params=st.floats(1e6, 1e11), ranks=st.integers(1, 64), memory=st.floats(1e9, 1e11),
+       headroom=st.floats(0, 0.5), acts=st.floats(0, 5e10), mp=st.booleans())
+def test_fits_means_states_plus_activations_within_memory_less_headroom(params, ranks, memory,
+                                                                        headroom, acts, mp):
+    rows = estimate(params, ranks, memory, "adam", mp, headroom * memory, acts)
+    for row in rows:
+        states = row["params"] + row["grads"] + row["optimizer"]
+        assert row["fits"] == (states + acts <= memory * (1 - headroom) * (1 + 1e-12)) or \
+            abs(states + acts - memory * (1 - headroom)) < 1e-3 * memory
+
+
+# ----------------------------------------------------------------------------- several nodes
+@given(psi=st.integers(1, 10**12), nodes=st.integers(1, 16), per_node=st.integers(1, 16),
+       mp=st.booleans())
+def test_multi_node_bytes_are_the_formulas(psi, nodes, per_node, mp):
+    b = 2 if mp else 4
+    n = nodes * per_node
+    rows = {r["choice"]: r for r in choices(psi, nodes, per_node, 80e9, "adam", mp)}
+    full = {0: 2 * psi * b * Fraction(n - 1, n), 1: 2 * psi * b * Fraction(n - 1, n),
+            2: 2 * psi * b * Fraction(n - 1, n), 3: 3 * psi * b * Fraction(n - 1, n)}
+    for stage, name in enumerate(["DDP (stage 0)", "stage 1", "stage 2", "stage 3"]):
+        crossing = full[stage] if nodes > 1 else 0    # one ring through every rank
+        assert rows[name]["cross"] == pytest.approx(float(crossing), rel=1e-12, abs=0)
+        assert rows[name]["intra"] == pytest.approx(float(full[stage] - crossing), rel=1e-12)
+    hybrid = rows["hybrid stage 3"]
+    intra = 3 * psi * b * Fraction(per_node - 1, per_node)
+    cross = 2 * Fraction(psi, per_node) * b * Fraction(nodes - 1, nodes)
+    assert hybrid["intra"] == pytest.approx(float(intra), rel=1e-12, abs=0)
+    assert hybrid["cross"] == pytest.approx(float(cross), rel=1e-12, abs=0)
+    # memory: stage 3 over the S ranks of a node, 16 bytes per parameter (either precision)
+    assert hybrid["states"] == pytest.approx(16 * psi / per_node, rel=1e-12)
+    assert rows["stage 3"]["states"] == pytest.approx(16 * psi / n, rel=1e-12)
+
+
+def test_multi_node_cli_recommends_hybrid_when_it_fits(capsys):
+    out = run_cli(capsys, "--params", "7B", "--nodes", "2", "--ranks-per-node", "4", "--memory",
+                  "80GB")
+    table = {line[:16].strip(): line[16:].split() for line in out.splitlines()
+             if line.startswith(("DDP", "stage ", "hybrid"))}
+    # 7e9 fp32 params, N = 8: stage 0 2Ψb(N-1)/N = 49 GB, stage 3 73.5 GB, all across nodes;
+    # hybrid 3Ψb(3/4) = 63 GB in the node + 2(Ψ/4)b(1/2) = 7 GB across
+    assert table["DDP (stage 0)"][4:8] == ["0", "B", "49", "GB"]
+    assert table["stage 3"][4:8] == ["0", "B", "73.5", "GB"]
+    assert table["hybrid stage 3"][4:8] == ["63", "GB", "7", "GB"]
+    assert "Recommendation: hybrid stage 3" in out
+    one = run_cli(capsys, "--params", "7B", "--nodes", "1", "--ranks-per-node", "8", "--memory",
+                  "80GB")
+    assert "Recommendation: stage 1, the lowest stage that fits" in one.replace("\n", " ")
+    with pytest.raises(SystemExit):
+        main(["--params", "7B", "--nodes", "2", "--memory", "80GB"])
+    assert "--nodes and --ranks-per-node go together" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--params", "7B", "--nodes", "2", "--ranks-per-node", "4", "--ranks", "6",
+              "--memory", "80GB"])
+    assert "give one or the other" in capsys.readouterr().err
 
 
 # ------------------------------------------------------- the estimator vs the measured engine
