@@ -84,8 +84,8 @@ def _inside(name: str, scope: str) -> bool:
 
 
 def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *, flat_mode: str,
-                param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int]
-                ) -> list[Unit]:
+                param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
+                replicate_group=None) -> list[Unit]:
     """Find the units of ``root``, give every parameter to its owner, build the flat buffers.
 
     ``group_of(p)`` is the optimizer param group a parameter belongs to (0 when the user gave
@@ -151,7 +151,7 @@ def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *,
                    f"{f'/group{pg}' if pg else ''}")
             compute = param_dtype if dtype.is_floating_point else None
             unit.flats.append(FlatBuffer(params, group, mode=flat_mode, param_dtype=compute,
-                                         name=tag))
+                                         name=tag, replicate_group=replicate_group))
             unit.bindings.append([places[p] for p in params])
         for params_places in unit.bindings:
             for bindings in params_places:
