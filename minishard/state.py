@@ -20,6 +20,9 @@ scalar state (``step``) is copied. Loading at M ranks is then interval arithmeti
     new rank 1 needs [5:10): it opens the files of old ranks 1 and 2 only, and
     concatenates old1[1:4] (= [5:8)) and old2[0:2] (= [8:10))
 
+**Hybrid sharding** (a 2-D mesh): the replicas hold identical shards, so only the first replica
+writes, one file per rank of its shard group: the files of S ranks, loadable at any world size.
+
 **Atomic.** Every file is written to a temporary name in the same directory, flushed to disk and
 ``os.replace``-d into place, so a file is either absent or whole. ``meta.pt`` comes last and
 records each rank file's byte size and sha256, so:

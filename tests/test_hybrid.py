@@ -327,6 +327,24 @@ def test_checkpoint_saved_on_2x2_resumes_on_1x4_4x1_and_2_ranks(pools, tmp_path,
     assert results == [[]] * 2, results
 
 
+def save_into_a_file(ckpt):
+    model = ZeRO(build(CKPT_SPEC), stage=3, mesh=mesh_of((2, 2)))
+    try:
+        save_checkpoint(ckpt, model, make_opt("sgd", model.parameters()))
+    except (OSError, RuntimeError) as exc:
+        return type(exc).__name__
+    return None
+
+
+def test_a_failed_save_raises_on_every_replica(pools, tmp_path):
+    """The path is a plain file: the first replica's ranks fail to make the directory, and the
+    other replica, which writes nothing, must raise too (not hang, not return as if saved)."""
+    ckpt = tmp_path / "not-a-directory"
+    ckpt.write_text("")
+    assert pools(4).run(save_into_a_file, str(ckpt)) == \
+        ["FileExistsError", "FileExistsError", "CheckpointError", "CheckpointError"]
+
+
 # ====================================================================== 5. refused set-ups
 def bad_meshes():
     from torch.distributed.device_mesh import init_device_mesh
