@@ -8,7 +8,9 @@ Every collective minishard issues goes through a function in this module. That b
    exchange, each faster there than gloo's own).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
    issues is recorded with its op, dtype, element count, group size and the bytes this rank sends
-   under the ring cost model below. Tests assert those bytes exactly against the ZeRO formulas.
+   under the ring cost model below, and the group it ran on (its global ranks, and the
+   ``DeviceMesh`` dimension when the group is one). Tests assert those bytes exactly against the
+   ZeRO formulas, per group: hybrid sharding's inside-a-node and across-nodes traffic apart.
 3. One place a reader has to look to know when ranks talk to each other.
 
 Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` = group size)::
@@ -56,7 +58,8 @@ import torch.distributed as dist
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "direct_bytes",
-    "all_reduce_cost", "pick_all_reduce", "set_debug", "CollectiveMismatch",
+    "all_reduce_cost", "pick_all_reduce", "set_debug", "CollectiveMismatch", "group_ranks",
+    "group_dim",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -75,6 +78,8 @@ class Entry:
     bytes_sent: Fraction  # what `algorithm` sends from this rank; a Fraction so sums stay exact
     tag: str = ""        # who asked: a SyncBN layer, a ZeRO unit, ...
     algorithm: str = "ring"  # what ran: "ring" (the cost model above) or "direct" (an exchange)
+    ranks: tuple[int, ...] = ()  # the group's GLOBAL ranks, in group order
+    dim: str = ""        # the DeviceMesh dimension of that group ("shard", "replicate"), if any
 
 
 _RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
@@ -94,11 +99,31 @@ class Ledger:
         # time NOT hidden behind computation (benchmarks report it; tests assert bytes only).
         self.blocked_s = 0.0
 
-    def total_bytes(self, op: str | None = None) -> Fraction:
-        return sum((e.bytes_sent for e in self.entries if op is None or e.op == op), Fraction(0))
+    def total_bytes(self, op: str | None = None, *, group=None, dim: str | None = None
+                    ) -> Fraction:
+        """Bytes sent, optionally only by ``op``, on one ``group`` (a process group, or its global
+        ranks in any order) or on one mesh dimension ``dim``."""
+        return sum((e.bytes_sent for e in self._select(op, group, dim)), Fraction(0))
 
-    def count(self, op: str | None = None) -> int:
-        return sum(1 for e in self.entries if op is None or e.op == op)
+    def count(self, op: str | None = None, *, group=None, dim: str | None = None) -> int:
+        return sum(1 for _ in self._select(op, group, dim))
+
+    def by_group(self) -> dict[tuple[str, tuple[int, ...]], Fraction]:
+        """Bytes sent per group: ``{(dim, ranks): bytes}``, in order of first use."""
+        out: dict[tuple[str, tuple[int, ...]], Fraction] = {}
+        for e in self.entries:
+            out[(e.dim, e.ranks)] = out.get((e.dim, e.ranks), Fraction(0)) + e.bytes_sent
+        return out
+
+    def _select(self, op, group, dim) -> Iterator[Entry]:
+        ranks = None
+        if group is not None:
+            ranks = frozenset(group) if isinstance(group, (list, tuple, set, frozenset, range)) \
+                else frozenset(group_ranks(group))
+        for e in self.entries:
+            if ((op is None or e.op == op) and (dim is None or e.dim == dim)
+                    and (ranks is None or frozenset(e.ranks) == ranks)):
+                yield e
 
     def numel(self, op: str | None = None) -> int:
         return sum(e.numel for e in self.entries if op is None or e.op == op)
@@ -141,12 +166,13 @@ def direct_bytes(full_bytes: int, group_size: int) -> Fraction:
 
 
 def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
-            algorithm: str = "ring") -> None:
+            algorithm: str = "ring", group=None) -> None:
     if not _open_ledgers:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = direct_bytes(full_bytes, n) if algorithm == "direct" else ring_bytes(op, full_bytes, n)
-    entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm)
+    entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm,
+                  ranks=group_ranks(group), dim=group_dim(group))
     for led in _open_ledgers:
         led.entries.append(entry)
 
@@ -206,7 +232,7 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
             algorithm: str = "ring") -> None:
     """Every collective passes here first: the ledger, and the debug consistency check."""
-    _record(op, numel, tensor.dtype, n, tag, algorithm)
+    _record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
 
@@ -218,6 +244,19 @@ def group_size(group=None) -> int:
 
 def group_rank(group=None) -> int:
     return dist.get_rank(group)
+
+
+def group_ranks(group=None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in group order."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def group_dim(group=None) -> str:
+    """The ``DeviceMesh`` dimension ``group`` was made for, or "". torch describes the groups it
+    makes for a mesh as ``mesh_<dim name>``; a dimension spanning every rank reuses the default
+    group, which has no dimension."""
+    desc = getattr(group, "group_desc", "") if group is not None else ""
+    return desc[len("mesh_"):] if desc.startswith("mesh_") else ""
 
 
 def check_member(group, who: str) -> None:

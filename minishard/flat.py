@@ -23,6 +23,14 @@ Where the tensors live depends on how the engine asks for the buffer (see zero.p
     "view"    always                    a view of full's own slice (no copy)   the shard
     "own"     only while gathered       its own storage, padded to k           the shard
 
+``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the ranks of
+one node, say) and that whole group is replicated R times (once per node). Replicas hold identical
+shards; gathers stay inside ``group``; a gradient is reduce-scattered (avg) inside ``group``, then
+this rank's k-element slice is all-reduced (avg) across its replicas, so it ends up as the mean
+over all R·S ranks, having crossed nodes only as a 1/S-sized piece::
+
+    per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
+
 ``mixed precision`` (``param_dtype``): full is kept in the compute dtype and the shard is an fp32
 master copy with storage of its own; gathers send the shard cast to ``param_dtype``.
 """
@@ -44,9 +52,12 @@ class FlatBuffer:
     (the layout and the three modes are drawn in the module docstring)."""
 
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: str = "own",
-                 param_dtype: torch.dtype | None = None, name: str = "") -> None:
+                 param_dtype: torch.dtype | None = None, name: str = "",
+                 replicate_group=None) -> None:
         assert mode in ("none", "view", "own"), mode
+        assert mode != "none" or replicate_group is None, "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
+        self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         first = params[0]
         self.dtype = first.dtype                                  # the master (shard) dtype
@@ -242,7 +253,9 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
 
 def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:
     """Average the full gradients of ``flats`` (same group and mode) over the ranks in ONE
-    collective, into each one's ``shard.grad``; returns a handle to wait on.
+    collective, into each one's ``shard.grad``; returns a handle to wait on. With replicas
+    (hybrid sharding), waiting also all-reduces (avg) the reduced slices across them: the mean
+    of S-rank means over R replicas is the mean over all R·S ranks.
 
     Mode "none" (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
     after which each rank keeps its slice of every buffer. For that, each rank's slices of the
@@ -271,6 +284,8 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
 
     def land() -> None:
         handle.wait()
+        if first.replicate_group is not None:  # issued at the same program point on every rank
+            comm.all_reduce(out, "avg", first.replicate_group, tag=f"{tag} (replicas)")
         for flat, piece in zip(flats, torch.split(out, sizes)):
             flat.add_shard_grad(piece)
 

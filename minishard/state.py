@@ -20,6 +20,9 @@ scalar state (``step``) is copied. Loading at M ranks is then interval arithmeti
     new rank 1 needs [5:10): it opens the files of old ranks 1 and 2 only, and
     concatenates old1[1:4] (= [5:8)) and old2[0:2] (= [8:10))
 
+**Hybrid sharding** (a 2-D mesh): the replicas hold identical shards, so only the first replica
+writes, one file per rank of its shard group: the files of S ranks, loadable at any world size.
+
 **Atomic.** Every file is written to a temporary name in the same directory, flushed to disk and
 ``os.replace``-d into place, so a file is either absent or whole. ``meta.pt`` comes last and
 records each rank file's byte size and sha256, so:
@@ -281,7 +284,31 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     only once the checkpoint is complete. ``path`` must not hold a checkpoint already, unless
     ``overwrite`` (its meta.pt is then removed first: until the new one lands, the directory is
     incomplete -- that is why a fresh directory per step is safer).
+
+    Hybrid sharding (a 2-D mesh): the replicas hold identical shards, so only the first one
+    (replicate rank 0) writes, one file per rank of its shard group; the others wait for it
+    and raise if it failed. The files are those of S ranks: load them at any world size.
     """
+    replicas = getattr(model, "replicate_group", None)
+    if replicas is None:
+        return _save_shards(path, model, optimizer, overwrite)
+    error = None
+    if comm.group_rank(replicas) == 0:
+        try:
+            _save_shards(path, model, optimizer, overwrite)
+        except Exception as exc:  # still join the all-reduce below, or the replicas would hang
+            error = exc
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    comm.all_reduce(failed, "max", replicas, tag="checkpoint: first replica done")
+    if error is not None:
+        raise error
+    if failed.item():
+        raise CheckpointError(f"the first replica could not save {path} (its error names the "
+                              "problem); the checkpoint is incomplete")
+
+
+def _save_shards(path, model, optimizer, overwrite: bool) -> None:
+    """save_checkpoint on the ranks of ONE shard group (all of them, without replicas)."""
     path, group = os.fspath(path), model.group
     rank, world = comm.group_rank(group), comm.group_size(group)
     meta_file = os.path.join(path, META)
@@ -451,6 +478,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
         error = exc
     failed = torch.tensor([0.0 if error is None else 1.0])
     comm.all_reduce(failed, "max", group, tag="checkpoint: files read")
+    if getattr(model, "replicate_group", None) is not None:  # max over shards, then replicas
+        comm.all_reduce(failed, "max", model.replicate_group, tag="checkpoint: files read")
     if error is not None:
         raise error
     if failed.item():

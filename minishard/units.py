@@ -92,8 +92,8 @@ def _inside(name: str, scope: str) -> bool:
 
 
 def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *, flat_mode: str,
-                param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int]
-                ) -> list[Unit]:
+                param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
+                replicate_group=None) -> list[Unit]:
     """Find the units of ``root``, give every parameter to its owner, build the flat buffers.
 
     ``group_of(p)`` is the optimizer param group a parameter belongs to (0 when the user gave
@@ -158,7 +158,8 @@ def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *,
             tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
                    f"{f'/group{pg}' if pg else ''}")
             compute = param_dtype if dtype.is_floating_point else None
-            flat = FlatBuffer(params, group, mode=flat_mode, param_dtype=compute, name=tag)
+            flat = FlatBuffer(params, group, mode=flat_mode, param_dtype=compute, name=tag,
+                              replicate_group=replicate_group)
             flat.param_group = pg  # which optimizer param group its shard belongs to
             unit.flats.append(flat)
             unit.bindings.append([places[p] for p in params])

@@ -34,6 +34,8 @@ The life of one stage-3 unit in one step (hooks registered by this module)::
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
 stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the element size).
+Hybrid sharding (``mesh=``, R replicas of S-rank shard groups) runs all of that inside the shard
+group (N = S) and adds one all-reduce of each gradient shard across the replicas: 2(Ψ/S)(R-1)/R.
 """
 from __future__ import annotations
 
@@ -49,10 +51,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
-from minishard.units import (Unit, _detached_views, _inside, build_units, cast_buffers, check_same_config,
-                             sync_initial_state, unit_predicate)
+from minishard.units import (Unit, _detached_views, _inside, build_units, cast_buffers,
+                             check_same_config, sync_initial_state, unit_predicate)
 
-__all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
+__all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +207,48 @@ def _guard_module_attributes(engine: "ZeRO") -> None:
         m.requires_grad_, m.parameters, m.named_parameters = requires_grad_, refuse, refuse
 
 
+# ---------------------------------------------------------------------- groups from a mesh
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups one engine talks on (None: the default group, every rank)."""
+    shard: object      # the ranks a flat buffer is cut across (stage 0: every rank)
+    replicate: object  # the ranks holding the same shard, or None when there are no replicas
+    every: object      # every rank of the engine: the config check and the initial broadcast
+
+
+def resolve_groups(mesh, process_group, stage: int) -> Groups:
+    """``mesh=`` or ``process_group=`` as the groups of one engine, checked before any collective
+    could hang. A 2-D mesh is (replicate, shard), FSDP2's hybrid convention::
+
+        init_device_mesh("cpu", (2, 3))   ranks [[0 1 2]     shard groups: the rows {0,1,2} {3,4,5}
+                                                 [3 4 5]]    replicate groups: the columns {0,3} ...
+    """
+    if mesh is None:
+        return Groups(process_group, None, process_group)
+    from torch.distributed.device_mesh import DeviceMesh
+    if process_group is not None:
+        raise ValueError("ZeRO: pass mesh= or process_group=, not both (a mesh carries its groups)")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"ZeRO: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                        f"{type(mesh).__name__}; for a plain process group pass process_group=")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"ZeRO: this rank (global rank {torch.distributed.get_rank()}) is not in "
+                         f"the mesh {mesh.mesh.tolist()}; build the engine only on the mesh's ranks")
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return Groups(group, None, group)
+    if mesh.ndim != 2 or mesh.size() != torch.distributed.get_world_size():
+        raise ValueError(
+            f"ZeRO: mesh {mesh.mesh.tolist()} has {mesh.ndim} dims over {mesh.size()} of the "
+            f"{torch.distributed.get_world_size()} ranks; minishard takes a 1-D mesh, or a 2-D "
+            "(replicate, shard) mesh over every rank of the job, e.g. init_device_mesh(\"cpu\", "
+            "(nodes, ranks_per_node), mesh_dim_names=(\"replicate\", \"shard\"))")
+    if stage == 0:  # nothing is sharded: one all-reduce over every rank, as DDP
+        return Groups(None, None, None)
+    replicate = mesh.get_group(0) if mesh.size(0) > 1 else None
+    return Groups(mesh.get_group(1), replicate, None)
+
+
 # ------------------------------------------------------------------- global optimizer guard
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -251,6 +295,15 @@ class ZeRO(nn.Module):
             (every matching submodule is its own unit), or a predicate ``fn(module) -> bool``.
             A parameter belongs to the innermost unit that contains every module using it.
         process_group: the ranks to shard over (default: all).
+        mesh: instead of ``process_group``, a ``torch.distributed.device_mesh.DeviceMesh``.
+            1-D: the same as its process group. 2-D, dims (replicate, shard) as in FSDP2, e.g.
+            ``init_device_mesh("cpu", (nodes, ranks_per_node), mesh_dim_names=("replicate",
+            "shard"))``: hybrid sharding. Stages 1-3 cut every flat buffer across the shard dim
+            (dim 1: the ranks of one node) and replicate it across dim 0 (the nodes): gathers
+            stay inside the shard group; a gradient is reduce-scattered (avg) there, then its
+            shard all-reduced (avg) across the replicas. Stage 0 all-reduces over every rank.
+            Per rank per step, stage 3 with R nodes of S ranks: 3Ψ(S-1)/S inside a node and
+            2(Ψ/S)(R-1)/R across nodes, instead of 3Ψ(RS-1)/(RS) across nodes.
         mixed_precision: a :class:`MixedPrecision` (default: compute in the parameters' dtype).
         prefetch: issue the next unit's all-gather asynchronously while this one computes
             (order recorded on the first forward, reversed for backward; two gathers at most).
@@ -278,7 +331,7 @@ class ZeRO(nn.Module):
     def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
                  param_groups: list[dict] | None = None,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, mesh=None) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -295,23 +348,26 @@ class ZeRO(nn.Module):
                 "and send gradients through the same ones. Use stage 2 for data-dependent branches, "
                 "or make every rank take the same branch.")
         comm.check_member(process_group, "ZeRO")
+        groups = resolve_groups(mesh, process_group, stage)
         self.module = module
-        self.stage, self.policy, self.group = stage, STAGES[stage], process_group
-        self.world = comm.group_size(process_group)
+        self.stage, self.policy, self.group = stage, STAGES[stage], groups.shard
+        self.replicate_group, self.mesh = groups.replicate, mesh
+        self.world = comm.group_size(self.group)
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
         self.find_unused = find_unused_parameters
-        check_same_config(module, stage, process_group)
+        check_same_config(module, stage, groups.every)
         group_of, self._group_options = _param_group_index(module, param_groups)
+        self._every = groups.every  # every rank of the engine (find_unused's usage bitmap)
         # The unwrapped module's names, in its own order, before the parameters move into flats:
         # state dicts and the full optimizer export (state.py) are keyed by these.
         self.param_names = [name for name, _ in module.named_parameters()]
         self._state_keys = list(module.state_dict().keys())
-        sync_initial_state(module, process_group)
+        sync_initial_state(module, groups.every)
         cast_buffers(module, self.mp.buffer_dtype)
-        self.units = build_units(module, unit_predicate(units), process_group,
+        self.units = build_units(module, unit_predicate(units), self.group,
                                  flat_mode=self.policy.flat_mode, param_dtype=self.mp.param_dtype,
-                                 group_of=group_of)
+                                 group_of=group_of, replicate_group=self.replicate_group)
         self.flat_params = nn.ParameterList(
             [flat.shard for unit in self.units for flat in unit.flats])
         for shard in self.flat_params:
@@ -597,7 +653,7 @@ class ZeRO(nn.Module):
         self._ready += [f for f in order[self._launched:] if f not in self._ready]
         self._launch_ready()
         used = torch.tensor([id(f) in self._used for f in order], dtype=torch.uint8)
-        comm.all_reduce(used, "max", self.group, tag="ZeRO used flats")
+        comm.all_reduce(used, "max", self._every, tag="ZeRO used flats")
         unused = [(f, before[id(f)]) for f, u in zip(order, used.tolist()) if not u]
         self._ready, self._used, self._launched = [], set(), 0
         return unused
@@ -678,6 +734,8 @@ class ZeRO(nn.Module):
         Each element counts once: a rank sums |g|^p over its shard gradients only (which hold no
         padding, and a tied weight has one slot), then one all-reduce adds the ranks' sums
         (MAX for the inf-norm). Stage 0 holds identical full gradients on every rank: no collective.
+        With replicas (a 2-D mesh) the sum runs over the shard group only: every replica holds
+        the same shards, so adding theirs would count each element R times.
         """
         norm_type = float(norm_type)
         grads = [f.shard.grad for u in self.units for f in u.flats if f.shard.grad is not None]
