@@ -351,6 +351,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     model, see the module doc). Every rank must pass the same ``algorithm``; "auto" decides from
     the size, the group and the backend, which every rank shares.
     """
+    if algorithm not in ("ring", "direct", "auto"):
+        raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct' or 'auto', got "
+                         f"{algorithm!r}")
     n = group_size(group)
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()

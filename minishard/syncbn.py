@@ -113,9 +113,9 @@ Rules every rank relies on
 * Every rank's input has the same dtype: it sets u_in, so it decides whether there is a second
   pass (ranks with different dtypes would pair different collectives).
 * Every layer has a name all ranks agree on, in the ledger and in debug mode's fingerprints: its
-  path in the model (``convert_sync_batchnorm`` sets it), else ``#k``, the k-th SyncBatchNorm
-  built in this process (the same on every rank as long as every rank builds the same layers in
-  the same order). So a rank that runs layer #0 while another runs layer #1 of the same shape is
+  path in the model (``convert_sync_batchnorm`` and ``name_sync_batchnorms`` set it), else
+  ``#k``, the k-th SyncBatchNorm built in this process (the same on every rank as long as every
+  rank builds the same layers in the same order). So a rank that runs layer #0 while another runs layer #1 of the same shape is
   a CollectiveMismatch in debug mode, not statistics silently paired across layers.
 * In eval mode there is no communication at all: the running statistics normalise (or, with
   track_running_stats=False, each rank's own batch statistics, exactly as stock).
@@ -133,7 +133,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from minishard import comm
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
+           "name_sync_batchnorms"]
 
 
 def _channel_view(x: torch.Tensor):
@@ -421,6 +422,17 @@ def _convert(module: nn.Module, process_group, name: str) -> nn.Module:
         out.add_module(child_name, _convert(child, process_group,
                                             f"{name}.{child_name}" if name else child_name))
     return out
+
+
+def name_sync_batchnorms(model: nn.Module) -> nn.Module:
+    """Name every SyncBatchNorm in ``model`` that has no path yet by its path in ``model``
+    (``named_modules``), as ``convert_sync_batchnorm`` does: for layers built directly, whose
+    default name ``#k`` (build order) is only the same on every rank if every rank built the same
+    layers in the same order. Returns ``model``."""
+    for name, m in model.named_modules():
+        if isinstance(m, SyncBatchNorm) and m.path is None and name:
+            m.tag, m.path = f"{m.tag} {name}", name
+    return model
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

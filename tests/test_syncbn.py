@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import minishard
 from minishard import comm
-from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+from minishard.syncbn import (SyncBatchNorm, convert_sync_batchnorm, name_sync_batchnorms,
+                              revert_sync_batchnorm)
 from minishard.testing import RankError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -796,3 +797,15 @@ def test_converted_layers_are_named_by_their_path(pools):
     for tags in pools(2).run(converted_layers_are_named_by_path):
         assert tags == ["SyncBatchNorm(4) 0 forward", "SyncBatchNorm(4) 1.0 forward",
                         "SyncBatchNorm(4) 1.0 backward"]  # layer 0's input needs no gradient
+
+
+def test_layers_built_directly_can_be_named_by_their_path():
+    model = nn.Sequential(SyncBatchNorm(4), nn.Sequential(nn.ReLU(), SyncBatchNorm(4)))
+    converted = convert_sync_batchnorm(nn.Sequential(nn.BatchNorm1d(2)))
+    assert [m.path for m in (model[0], model[1][1])] == [None, None]
+    assert name_sync_batchnorms(model) is model
+    assert [(m.path, m.tag) for m in (model[0], model[1][1])] == \
+        [("0", "SyncBatchNorm(4) 0"), ("1.1", "SyncBatchNorm(4) 1.1")]
+    wrapper = nn.Sequential(converted)  # a layer that already has a path keeps it
+    name_sync_batchnorms(wrapper)
+    assert (converted[0].path, converted[0].tag) == ("0", "SyncBatchNorm(2) 0")
