@@ -43,7 +43,7 @@ across nodes, b = 4 bytes per element (2 with --mixed-precision):
 
 What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
 ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
-chunk travels the whole ring, so every byte a rank sends reaches the other nodes, and each
+chunk (or its partial sum) travels the whole ring, so it reaches the other nodes, and each
 boundary hop carries as many bytes as a rank sends: the whole collective runs at the speed of
 the inter-node link. We therefore count ALL of a rank's bytes as crossing. Hybrid sharding keeps
 the shard-group rings inside a node and crosses nodes only in the all-reduce of each rank's
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="memory per rank: 80GB (10^9), 80GiB (2^30), 24G, or bytes")
     parser.add_argument("--headroom", default=DEFAULT_HEADROOM,
                         help=f"kept free per rank: a percentage of --memory or a size "
-                             f"(default {DEFAULT_HEADROOM})")
+                             f"(default {DEFAULT_HEADROOM.replace('%', '%%')})")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="bf16/fp16 params and grads with an fp32 master copy")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_BYTES))

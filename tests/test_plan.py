@@ -25,7 +25,7 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import minishard
-from minishard.memory import activation_bytes, activation_bytes_per_layer
+from minishard.memory import activation_bytes, activation_bytes_per_layer, step_bytes
 from minishard.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
                             parse_headroom)
 
@@ -140,6 +140,13 @@ def test_headroom_is_a_percentage_or_a_size():
     assert parse_headroom("2GB", 80e9) == 2e9
     with pytest.raises(ValueError):
         parse_headroom("100%", 80e9)
+
+
+def test_help_prints_the_assumptions(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "(default 10%)" in out and "Korthikanti" in out
 
 
 def test_cli_accepts_7B_and_refuses_nonsense(capsys):
@@ -345,3 +352,30 @@ def test_estimator_equals_measured_memory(pools, world):
             got = {"params": rep["params"], "grads": grads, "optimizer": rep["optimizer"]}
             assert got == {k: want[k] for k in got}, (stage, rank, rep, want)
             assert sum(got.values()) == want["total"]
+
+
+def measured_step_bytes() -> list[int]:
+    """Bytes the ledger records on this rank for one whole iteration (forward, backward, step)
+    after a warm-up iteration, at stages 0-3. Stages 1-2 re-gather the stepped shards in the
+    next forward, so a steady iteration holds one reduce-scatter and one all-gather."""
+    out = []
+    for stage in range(4):
+        torch.manual_seed(0)
+        model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=stage,
+                               units={Block})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, WIDTH)
+        for _ in range(2):  # the ledger of the second iteration is kept
+            with minishard.ledger() as led:
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        out.append(led.total_bytes())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_step_bytes_equal_the_ledger(pools, world):
+    psi = BLOCKS * (WIDTH * WIDTH + WIDTH)  # no padding at 2 or 4 ranks
+    for rank, per_stage in enumerate(pools(world).run(measured_step_bytes)):
+        assert per_stage == [step_bytes(psi, stage, world, 4) for stage in range(4)], rank
