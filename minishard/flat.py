@@ -23,8 +23,8 @@ Where the tensors live depends on how the engine asks for the buffer (see zero.p
     "view"    always                    a view of full's own slice (no copy)   the shard
     "own"     only while gathered       its own storage, padded to k           the shard
 
-``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the ranks of
-one node, say) and that whole group is replicated R times (once per node). Replicas hold identical
+``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the ranks
+of one node, say) and that whole group is replicated R times (once per node). Replicas hold identical
 shards; gathers stay inside ``group``; a gradient is reduce-scattered (avg) inside ``group``, then
 this rank's k-element slice is all-reduced (avg) across its replicas, so it ends up as the mean
 over all R·S ranks, having crossed nodes only as a 1/S-sized piece::

@@ -233,7 +233,7 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
                         f"{type(mesh).__name__}; for a plain process group pass process_group=")
     if mesh.get_coordinate() is None:
         raise ValueError(f"ZeRO: this rank (global rank {torch.distributed.get_rank()}) is not in "
-                         f"the mesh {mesh.mesh.tolist()}; build the engine only on the mesh's ranks")
+                         f"the mesh {mesh.mesh.tolist()}; build the engine on the mesh's ranks only")
     if mesh.ndim == 1:
         group = mesh.get_group()
         return Groups(group, None, group)

@@ -11,8 +11,8 @@ What each test trusts:
     (test_zero.expected_buffers) and the padding rule, never read from the engine. R nodes
     (replicas) of S ranks, Ψ = trainable elements padded to S (Ψ_all: frozen ones too), fp32:
 
-        stage 3, inside a node:  (S-1)/S · 4 · (2Ψ_all + Ψ)     across nodes: 2(R-1)/R · 4 · Ψ/S
-        stages 1-2, inside:      2(S-1)/S · 4 · Ψ               across:       2(R-1)/R · 4 · Ψ/S
+        stage 3, inside a node:  (S-1)/S·4·(2Ψ_all + Ψ)     across nodes: 2(R-1)/R·4·Ψ/S
+        stages 1-2, inside:      2(S-1)/S·4·Ψ               across:       2(R-1)/R·4·Ψ/S
         stage 0: one all-reduce over all N = R·S ranks, 2(N-1)/N · 4 · ψ (unpadded)
 
     against full sharding over the N ranks, where every collective's group spans both nodes.
