@@ -93,6 +93,13 @@ class FlatBuffer:
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
 
+    def set_requires_grad(self, requires_grad: bool) -> None:
+        """Freeze (False) or unfreeze the whole buffer: its full tensor and its shard. A frozen
+        buffer gets no gradient, so the optimizer skips its shard (no step, no weight decay)."""
+        self.requires_grad = requires_grad
+        self.full.requires_grad_(requires_grad)
+        self.shard.requires_grad_(requires_grad)
+
     # ---------------------------------------------------------------------- full param storage
     @property
     def is_gathered(self) -> bool:
@@ -161,11 +168,14 @@ class FlatBuffer:
         comm.all_gather(out, send, self.group, tag=f"{self.name} ({what})")
         return out[:self.numel]
 
-    def load_master(self, values: torch.Tensor) -> None:
-        """Set the master values from the full, unpadded ``values`` (each rank keeps its slice)."""
+    def load_master(self, values: torch.Tensor, only_if_changed: bool = False) -> None:
+        """Set the master values from the full, unpadded ``values`` (each rank keeps its slice).
+        ``only_if_changed``: leave the shard (and its version: no re-gather) if equal."""
         with torch.no_grad():
             mine = values[self.shard_start:self.shard_start + self.shard_real]
-            self.shard.copy_(mine.reshape(self.shard.shape).to(self.dtype))
+            mine = mine.reshape(self.shard.shape).to(self.dtype)
+            if not (only_if_changed and torch.equal(mine, self.shard)):
+                self.shard.copy_(mine)
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:

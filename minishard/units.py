@@ -50,11 +50,19 @@ class Unit:
         self.name, self.module = name, module
         self.flats: list[FlatBuffer] = []
         self.bindings: list[list[list[Binding]]] = []  # [flat][param] -> places it appears
+        self.views: list[list[torch.Tensor]] = []       # [flat][param] -> its bound view
 
     def bind_views(self, detached: bool = False) -> None:
         """Point every owning module's attribute at its view of the full buffer."""
-        for flat, places in zip(self.flats, self.bindings):
-            self.bind(flat, places, flat.views() if not detached else _detached_views(flat))
+        self.views = [flat.views() if not detached else _detached_views(flat)
+                      for flat in self.flats]
+        self.rebind_views()
+
+    def rebind_views(self) -> None:
+        """Bind the views made by the last :meth:`bind_views` again (after stand-ins replaced
+        them): the same tensors, so a recomputation in backward joins the forward's graph."""
+        for flat, places, views in zip(self.flats, self.bindings, self.views):
+            self.bind(flat, places, views)
 
     @staticmethod
     def bind(flat: FlatBuffer, places: list[list[Binding]], values: list[torch.Tensor]) -> None:
@@ -150,8 +158,9 @@ def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *,
             tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
                    f"{f'/group{pg}' if pg else ''}")
             compute = param_dtype if dtype.is_floating_point else None
-            unit.flats.append(FlatBuffer(params, group, mode=flat_mode, param_dtype=compute,
-                                         name=tag))
+            flat = FlatBuffer(params, group, mode=flat_mode, param_dtype=compute, name=tag)
+            flat.param_group = pg  # which optimizer param group its shard belongs to
+            unit.flats.append(flat)
             unit.bindings.append([places[p] for p in params])
         for params_places in unit.bindings:
             for bindings in params_places:

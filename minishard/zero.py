@@ -44,11 +44,11 @@ import weakref
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
-from minishard.units import (Unit, build_units, cast_buffers, check_same_config,
+from minishard.units import (Unit, _detached_views, _inside, build_units, cast_buffers, check_same_config,
                              sync_initial_state, unit_predicate)
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision"]
@@ -125,6 +125,85 @@ def _cast_floats(tree, dtype: torch.dtype):
                     else t, tree)
 
 
+class _Released(torch.Tensor):
+    """What a stage-3 module attribute holds while its unit is NOT gathered (the full values do
+    not exist then). Any use raises an error naming the parameter, instead of torch's opaque
+    complaint about a storage of size 0 deep inside some operator."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__deepcopy__, torch.Tensor.__repr__):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        me = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, _Released))
+        raise RuntimeError(
+            f"ZeRO stage 3: parameter {me._minishard_name!r} (owned by unit {me._minishard_unit!r}) "
+            "was used while its unit is not gathered: at stage 3 its full value exists only while "
+            f"{me._minishard_unit!r} runs forward or backward. If another module reads it in its "
+            "own forward (a head reusing an embedding's weight), let ONE unit contain both users "
+            "(choose units= so that their common parent owns it, or tie the parameter so both "
+            "modules hold it); to read values outside forward, use `with model.gathered():`.")
+
+
+def _released_placeholders(unit: Unit) -> list[list[torch.Tensor]]:
+    """One _Released stand-in per parameter of each of ``unit``'s flat buffers."""
+    out = []
+    for flat, places in zip(unit.flats, unit.bindings):
+        out.append([])
+        for bindings in places:
+            t = torch.Tensor._make_subclass(
+                _Released, torch.empty(0, dtype=flat.param_dtype, device=flat.full.device))
+            t._minishard_name, t._minishard_unit = bindings[0].fqn, unit.name
+            out[-1].append(t)
+    return out
+
+
+def _param_group_index(module: nn.Module, param_groups: list[dict] | None):
+    """``param_groups`` over the original parameters -> (group index of a parameter, each
+    group's options). Parameters not listed go to one last group with no options."""
+    if param_groups is None:
+        return (lambda p: 0), [{}]
+    mine = {id(p) for p in module.parameters()}
+    index: dict[int, int] = {}
+    for i, group in enumerate(param_groups):
+        params = group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else list(params):
+            if id(p) not in mine:
+                raise ValueError(f"ZeRO: param_groups[{i}] holds a tensor that is not a parameter "
+                                 "of the module being wrapped; list the module's own parameters")
+            if index.setdefault(id(p), i) != i:
+                raise ValueError(f"ZeRO: a parameter is in param_groups[{index[id(p)]}] and "
+                                 f"param_groups[{i}]; list each parameter in one group")
+    options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups] + [{}]
+    rest = len(param_groups)
+    return (lambda p: index.get(id(p), rest)), options
+
+
+def _guard_module_attributes(engine: "ZeRO") -> None:
+    """After wrapping, the modules own no parameters (they live in flat shards), so
+    ``module.parameters()`` would be EMPTY and the usual ways to freeze or group parameters would
+    silently do nothing. On every wrapped module: ``requires_grad_`` freezes through the engine,
+    and ``parameters``/``named_parameters`` raise an error that says what to use instead."""
+    ref = weakref.ref(engine)
+    for path, m in engine.module.named_modules():
+        def requires_grad_(requires_grad: bool = True, _m=m, _path=path):
+            alive = ref()
+            if alive is not None:
+                alive._set_requires_grad(_path, requires_grad)
+            return _m
+
+        def refuse(*args, _path=path, **kwargs):
+            where = f"model.module.{_path}" if _path else "model.module"
+            raise RuntimeError(
+                f"{where}.parameters(): minishard.ZeRO moved this module's parameters into flat "
+                "shards, so it owns none (an empty list here would silently build empty optimizer "
+                "groups or freeze nothing). Use model.parameters() for the optimizer, "
+                "ZeRO(..., param_groups=[...]) for groups by name, "
+                f"{where}.requires_grad_(False) to freeze, and model.gathered() or "
+                "model.full_state_dict() to read the values.")
+        m.requires_grad_, m.parameters, m.named_parameters = requires_grad_, refuse, refuse
+
+
 # ------------------------------------------------------------------- global optimizer guard
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -143,6 +222,16 @@ def _refuse_orphaned_params(optimizer, args, kwargs) -> None:
                     "this optimizer would update tensors the model no longer uses. Build the "
                     "optimizer AFTER wrapping, over the wrapper: "
                     "opt = torch.optim.AdamW(zero_model.parameters(), ...)")
+    ours = any(getattr(p, "_minishard_shard", False) for g in optimizer.param_groups
+               for p in g["params"])
+    for i, group in enumerate(optimizer.param_groups):
+        if ours and not group["params"]:
+            raise ValueError(
+                f"param group {i} of the {type(optimizer).__name__} is empty, so its options "
+                "would apply to nothing. minishard's parameters are flat shards (named "
+                "flat_params.N), so groups cannot be picked by the original names after wrapping: "
+                "give them when wrapping, ZeRO(module, ..., param_groups=[{'params': [...], "
+                "'weight_decay': 0.0}, ...]), and build the optimizer over model.param_groups().")
     _checked_optimizers.add(optimizer)
 
 
@@ -164,12 +253,31 @@ class ZeRO(nn.Module):
         mixed_precision: a :class:`MixedPrecision` (default: compute in the parameters' dtype).
         prefetch: issue the next unit's all-gather asynchronously while this one computes
             (order recorded on the first forward, reversed for backward; two gathers at most).
+        param_groups: optimizer parameter groups over the ORIGINAL parameters, as you would
+            pass them to ``torch.optim`` for the unwrapped model (``[{"params": [...],
+            "weight_decay": 0.0}, ...]``). Parameters of different groups get different flat
+            buffers; ``model.param_groups()`` returns the same groups over the shards. Parameters
+            not listed form a last group with no options of its own.
+        find_unused_parameters: (stages 0-2) allow a unit to get a gradient on SOME ranks only
+            in a step (a data-dependent branch). Reductions then run in a fixed order, ranks
+            without a gradient send zeros, and one all-reduce of a usage bitmap (one byte per
+            trainable flat buffer) per backward tells which buffers NO rank used: those keep
+            ``grad=None``. Without it (the default, as DDP's), every rank must reach the same
+            units in backward; a unit that none reached keeps ``grad=None`` at no cost.
 
-    Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards).
+    Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards) or
+    ``model.param_groups()``.
+
+    Freezing after wrapping: ``model.module.block.requires_grad_(False)`` (original names) or
+    ``shard.requires_grad_(False)`` freezes whole flat buffers; freezing only part of one is
+    refused (make that part a unit of its own). A frozen buffer gets no gradient, so the
+    optimizer leaves it alone.
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
-                 mixed_precision: MixedPrecision | None = None, prefetch: bool = False) -> None:
+                 mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
+                 param_groups: list[dict] | None = None,
+                 find_unused_parameters: bool = False) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -179,13 +287,21 @@ class ZeRO(nn.Module):
             raise ValueError(
                 "ZeRO: this module (or one of its submodules) is already wrapped by minishard.ZeRO. "
                 "Wrap a module once; to change the stage, wrap a fresh copy of the original model.")
+        if find_unused_parameters and STAGES[stage].free_after_forward:
+            raise ValueError(
+                "ZeRO: find_unused_parameters=True cannot work at stage 3: every unit gathers its "
+                "parameters in forward and again in backward, so every rank must run the same units "
+                "and send gradients through the same ones. Use stage 2 for data-dependent branches, "
+                "or make every rank take the same branch.")
         comm.check_member(process_group, "ZeRO")
         self.module = module
         self.stage, self.policy, self.group = stage, STAGES[stage], process_group
         self.world = comm.group_size(process_group)
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
+        self.find_unused = find_unused_parameters
         check_same_config(module, stage, process_group)
+        group_of, self._group_options = _param_group_index(module, param_groups)
         # The unwrapped module's names, in its own order, before the parameters move into flats:
         # state dicts and the full optimizer export (state.py) are keyed by these.
         self.param_names = [name for name, _ in module.named_parameters()]
@@ -194,14 +310,20 @@ class ZeRO(nn.Module):
         cast_buffers(module, self.mp.buffer_dtype)
         self.units = build_units(module, unit_predicate(units), process_group,
                                  flat_mode=self.policy.flat_mode, param_dtype=self.mp.param_dtype,
-                                 group_of=lambda p: 0)
+                                 group_of=group_of)
         self.flat_params = nn.ParameterList(
             [flat.shard for unit in self.units for flat in unit.flats])
+        for shard in self.flat_params:
+            shard._minishard_shard = True  # the optimizer guard recognises our shards
         self._register_hooks()
+        _guard_module_attributes(self)
         # per-step bookkeeping
         self._backward_pending = False      # the end-of-backward callback is queued
         self._in_backward = False
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
+        self._ready: list[FlatBuffer] = []   # find_unused: ready, waiting for their turn
+        self._used: set[int] = set()         # find_unused: flats this rank had a gradient for
+        self._launched = 0                   # find_unused: how far along the fixed order
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
         self._bucket: list[FlatBuffer] = []  # stages 0-1: ready gradients not yet launched
         self._regather_queue: list[list[FlatBuffer]] = []  # stages 1-2: buckets not yet gathered
@@ -209,10 +331,13 @@ class ZeRO(nn.Module):
         self._sync_grads = True             # False inside no_sync()
         self._order: list[Unit] = []        # units in the order the first forward ran them
         self._order_recorded = False
+        if find_unused_parameters:  # forwards may differ between ranks: a fixed order instead
+            self._order, self._order_recorded = list(self.units), True
         self._events: list[dict] | None = None  # see record_events()
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.peak_full_grad_bytes = 0
+        self._released = {id(u): _released_placeholders(u) for u in self.units}
         for unit in self.units:  # stage 3 starts sharded; the others keep full params
             if self.policy.free_after_forward:
                 self._free(unit)
@@ -226,18 +351,31 @@ class ZeRO(nn.Module):
         a weak reference (``_weak_hook``), so no reference cycle keeps a dropped model alive
         until the garbage collector runs (at interpreter exit, too late for torch.distributed)."""
         for i, unit in enumerate(self.units):
-            unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i))
+            unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
+                                                  with_kwargs=True)
             unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
+        self._hooked: set[int] = set()
+        self._sync_requires_grad()
+
+    def _sync_requires_grad(self) -> None:
+        """The shard's ``requires_grad`` is the truth (the user may freeze through the original
+        names, ``model.requires_grad_()`` or the shards); bring each flat buffer in line, and give
+        a buffer its gradient hook the first time it is trainable."""
+        for i, unit in enumerate(self.units):
             for j, flat in enumerate(unit.flats):
-                if flat.requires_grad:
+                if flat.requires_grad != flat.shard.requires_grad:
+                    flat.set_requires_grad(flat.shard.requires_grad)
+                if flat.requires_grad and id(flat) not in self._hooked:
+                    self._hooked.add(id(flat))
                     flat.full.register_post_accumulate_grad_hook(
                         _weak_hook(self, ZeRO._post_backward, i, j))
 
-    def _pre_forward(self, i: int, module, args):
+    def _pre_forward(self, i: int, module, args, kwargs):
         unit = self.units[i]
         is_root = unit.module is self.module
         if is_root and not self._in_backward:
             self.peak_gathered_bytes = self._gathered_bytes
+            self._sync_requires_grad()
             if not self.policy.free_after_forward:
                 self._refresh_stale()
         if not self._order_recorded and unit not in self._order:
@@ -250,13 +388,15 @@ class ZeRO(nn.Module):
         if self.prefetch and not self._in_backward:
             self._prefetch_after(unit, step=+1)
         if is_root and self.mp.param_dtype is not None:
-            args = _cast_floats(args, self.mp.param_dtype)
+            args, kwargs = _cast_floats((args, kwargs), self.mp.param_dtype)
         if (self.policy.free_after_forward and torch.is_grad_enabled()
                 and any(not f.requires_grad for f in unit.flats)):
             # Frozen buffers have no gradient hook to say when the unit's backward is over; an
             # identity on the unit's inputs does: its backward runs once the unit's has finished.
-            args = _AfterBackward.apply(_weak_hook(self, ZeRO._free_frozen, i), *args)
-        return args
+            leaves, spec = tree_flatten((args, kwargs))
+            leaves = _AfterBackward.apply(_weak_hook(self, ZeRO._free_frozen, i), *leaves)
+            args, kwargs = tree_unflatten(list(leaves), spec)
+        return args, kwargs
 
     def _post_forward(self, i: int, module, args, output):
         unit = self.units[i]
@@ -274,6 +414,8 @@ class ZeRO(nn.Module):
         unit = self.units[i]
         self._start_backward()
         self._gather(unit)
+        if self.policy.free_after_forward and unit.views:
+            unit.rebind_views()  # a checkpointed part of the unit recomputes from its attributes
         self._log("backward", unit)
         if self.prefetch:
             self._prefetch_after(unit, step=-1)
@@ -318,6 +460,11 @@ class ZeRO(nn.Module):
             buckets[-1].append(flat)
         self._regather_queue, self._regathers = buckets, []
         self._issue_regathers()
+        while self.find_unused and (self._regather_queue or self._regathers):
+            # Ranks may run different units (that is what find_unused_parameters allows), so
+            # nothing may depend on which units run: every re-gather lands now, in order.
+            self._regathers.pop(0).wait()
+            self._issue_regathers()
 
     def _issue_regathers(self) -> None:
         """Start queued re-gathers while fewer than _MAX_GATHERS_IN_FLIGHT are unfinished. Runs
@@ -331,19 +478,27 @@ class ZeRO(nn.Module):
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
         for flat in unit.flats:
-            if not flat.is_gathered or flat.is_stale:
-                flat.gather(async_op)
-                self._note_gathered()
-                self._log("gather", unit)
-            elif not async_op:
-                flat.wait()  # a prefetched gather: make sure it has landed
+            self._gather_flat(unit, flat, async_op)
+
+    def _gather_flat(self, unit: Unit, flat: FlatBuffer, async_op: bool = False) -> None:
+        if not flat.is_gathered or flat.is_stale:
+            flat.gather(async_op)
+            self._note_gathered()
+            self._log("gather", unit)
+        elif not async_op:
+            flat.wait()  # a prefetched gather: make sure it has landed
 
     def _free(self, unit: Unit, flat: FlatBuffer | None = None) -> None:
-        for f in [flat] if flat is not None else unit.flats:
+        """Stage 3: release full storage; the module's attributes become _Released stand-ins."""
+        for j, (f, places) in enumerate(zip(unit.flats, unit.bindings)):
+            if flat is not None and f is not flat:
+                continue
             if f.mode == "own" and f.is_gathered:
                 f.free()
                 self._note_gathered()
                 self._log("free", unit)
+            if self.policy.free_after_forward:
+                Unit.bind(f, places, self._released[id(unit)][j])
 
     def _start_backward(self) -> None:
         if not self._backward_pending:
@@ -352,10 +507,37 @@ class ZeRO(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _reduce(self, unit: Unit, flat: FlatBuffer) -> None:
+        """``flat``'s gradient is complete on this rank: start its reduction (see _launch_ready
+        for the order with find_unused_parameters)."""
         if id(flat) in self._reduced:
             return
         self._reduced.add(id(flat))
         self._log("reduce", unit)
+        if self.find_unused:
+            self._used.add(id(flat))
+            self._ready.append(flat)
+            self._launch_ready()
+        else:
+            self._schedule(flat)
+
+    def _launch_order(self) -> list[FlatBuffer]:
+        """find_unused_parameters: the one order every rank reduces in (the reverse of the
+        units' order, usually the order backward finishes them), so that a rank holding a
+        gradient and a rank sending zeros for it meet in the same collective."""
+        return [f for u in reversed(self.units) for f in u.flats if f.requires_grad]
+
+    def _launch_ready(self) -> None:
+        """Launch, in the fixed order, every ready flat whose predecessors are launched; a flat
+        ready early waits for its turn (a rank may never reach one: it sends zeros at the end)."""
+        order = self._launch_order()
+        launched = self._launched
+        while launched < len(order) and order[launched] in self._ready:
+            self._ready.remove(order[launched])
+            self._schedule(order[launched])
+            launched += 1
+        self._launched = launched
+
+    def _schedule(self, flat: FlatBuffer) -> None:
         if self.policy.free_grads_early:
             self._launch([flat])
             while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
@@ -377,24 +559,84 @@ class ZeRO(nn.Module):
         self._in_flight.append((reduce_grads(flats, self.mp.reduce_dtype), nbytes))
 
     def _finish_backward(self) -> None:
-        """Runs once, when autograd has finished the whole backward pass."""
-        for unit in reversed(self.units):  # units that got no gradient this time: send zeros
-            for flat in unit.flats:
-                if flat.requires_grad and self._sync_grads:
-                    self._reduce(unit, flat)
+        """Runs once, when autograd has finished the whole backward pass.
+
+        A flat buffer whose gradient never became ready in this backward is reduced now if this
+        rank holds a gradient for it (it was used only in earlier ``no_sync`` backwards). One that
+        no rank used keeps ``grad=None``, as in single-process training: reducing zeros into it
+        would make Adam, momentum and weight decay move weights that got no gradient. Without
+        find_unused_parameters, "no rank" is "not this rank" (every rank reaches the same units).
+        """
+        if self._sync_grads:
+            for unit in reversed(self.units):
+                for flat in unit.flats:
+                    if flat.requires_grad and flat.full.grad is not None:
+                        self._reduce(unit, flat)
+            unused = self._finish_in_order() if self.find_unused else []
         self._flush_bucket()
         for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight.clear()
+        if self._sync_grads:
+            for flat, grad_before in unused:  # no rank used it: leave its gradient as it was
+                flat.shard.grad = grad_before
         self._reduced.clear()
         if self.policy.free_after_forward:
             for unit in self.units:
                 self._free(unit)
         self._backward_pending = self._in_backward = False
 
+    def _finish_in_order(self) -> list[tuple[FlatBuffer, torch.Tensor | None]]:
+        """find_unused_parameters: launch the rest of the fixed order (zeros where this rank has
+        no gradient), then ONE all-reduce(MAX) of a byte per flat, "this rank used it", so every
+        rank knows which flats no rank used. Returns those, with their gradient before this
+        backward, to restore once the (all-zero) reductions have landed."""
+        order = self._launch_order()
+        before = {id(f): f.shard.grad for f in order}
+        self._ready += [f for f in order[self._launched:] if f not in self._ready]
+        self._launch_ready()
+        used = torch.tensor([id(f) in self._used for f in order], dtype=torch.uint8)
+        comm.all_reduce(used, "max", self.group, tag="ZeRO used flats")
+        unused = [(f, before[id(f)]) for f, u in zip(order, used.tolist()) if not u]
+        self._ready, self._used, self._launched = [], set(), 0
+        return unused
+
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def param_groups(self) -> list[dict]:
+        """The ``param_groups=`` given when wrapping, over the shards (each flat buffer belongs to
+        exactly one group): ``torch.optim.AdamW(model.param_groups(), lr=...)``."""
+        groups = [{**options, "params": []} for options in self._group_options]
+        for unit in self.units:
+            for flat in unit.flats:
+                groups[flat.param_group]["params"].append(flat.shard)
+        return [g for g in groups if g["params"]]
+
+    def _set_requires_grad(self, path: str, requires_grad: bool) -> None:
+        """``model.module.<path>.requires_grad_(flag)``: set it on every flat buffer holding a
+        parameter used under ``path``, refusing (before changing anything) when that would
+        freeze only part of a buffer, since a buffer's shard is one optimizer parameter."""
+        touched = []
+        for unit in self.units:
+            for flat, places in zip(unit.flats, unit.bindings):
+                inside = [any(_inside(b.fqn.rpartition(".")[0], path) for b in bindings)
+                          for bindings in places]
+                if not any(inside) or not flat.dtype.is_floating_point:
+                    continue
+                if not all(inside):
+                    names = [bs[0].fqn for bs, i in zip(places, inside) if not i]
+                    raise ValueError(
+                        f"{path or 'the model'}.requires_grad_({requires_grad}): unit "
+                        f"{unit.name!r} keeps these parameters in the SAME flat buffer, outside "
+                        f"{path!r}: {names}. A flat buffer's shard is one optimizer parameter, so "
+                        "it is frozen or trained whole. Make the module a unit of its own (units="
+                        "...) when wrapping, or freeze the whole unit.")
+                touched.append(flat)
+        for flat in touched:
+            flat.shard.requires_grad_(requires_grad)
+        self._sync_requires_grad()
 
     @contextlib.contextmanager
     def record_events(self):
@@ -459,21 +701,37 @@ class ZeRO(nn.Module):
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
         """Full parameters visible on every rank inside the block (like FSDP's
-        ``summon_full_params``). With ``writeback``, edits to them are kept. Without it, stage 3
-        drops them; stages 0-2 keep them all the same, because there the full parameters share
-        storage with the shards (as FSDP's NO_SHARD does)."""
+        ``summon_full_params``), in the master dtype. With ``writeback``, edits to them are
+        kept. Without it, stage 3 drops them; stages 0-2 keep them all the same (when not under
+        mixed precision), because there the full parameters share storage with the shards (as
+        FSDP's NO_SHARD does).
+
+        Under mixed precision the compute buffer holds ROUNDED values, so the block shows the
+        fp32 master values gathered from the shards instead, and writes back only a shard that
+        was edited: entering and leaving the block never rounds the master weights."""
+        masters: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            self._gather(unit)
-            unit.bind_views(detached=True)
+            for flat, places in zip(unit.flats, unit.bindings):
+                if flat.param_dtype != flat.dtype:
+                    masters[id(flat)] = master = flat.gather_shards(flat.shard, "gathered()")
+                    Unit.bind(flat, places, [piece.view(shape) for piece, shape in zip(
+                        torch.split(master, flat.numels), flat.shapes)])
+                else:
+                    self._gather_flat(unit, flat)
+                    Unit.bind(flat, places, _detached_views(flat))
         try:
             yield self.module
         finally:
             for unit in self.units:
-                if writeback:
-                    for flat in unit.flats:
+                for flat in unit.flats:
+                    if writeback and id(flat) in masters:
+                        flat.load_master(masters[id(flat)], only_if_changed=True)
+                    elif writeback:
                         flat.push_to_shard()
                 if self.policy.free_after_forward:
                     self._free(unit)
+                else:
+                    unit.bind_views(detached=True)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank."""
