@@ -15,8 +15,9 @@ concatenation of every rank's rows, with a stock ``torch.optim`` optimizer. What
              by the original Parameters (``ZeRO(param_groups=...)``); world sizes 1-4 with uneven
              per-rank batches, an empty rank included (BatchNorm is minishard's SyncBatchNorm on
              the engine's side, so statistics are global, as the oracle's are); blocks skipped on
-             some steps (the same on every rank); a whole block frozen AFTER wrapping through its
-             original name at some step, and unfrozen at a later one
+             some steps (the same on every rank; or, with ``find_unused_parameters=True`` at
+             stages 0-2, different blocks on different ranks); a whole block frozen AFTER
+             wrapping through its original name at some step, and unfrozen at a later one
 
 The loss is a global mean: rank r's loss is its SUM of squared errors times W / (N * out) (W
 ranks, N rows in all), so the engine's average of the ranks' gradients is the gradient of the
@@ -177,7 +178,7 @@ def second_group(spec: dict, module: nn.Module) -> list[dict]:
 
 # --------------------------------------------------------------------------------- strategies
 @st.composite
-def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True):
+def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, rank_skip=True):
     """A model and a way to train it. The keyword switches narrow the draw (the report on
     today's code uses them to show which defect each feature finds)."""
     depth = draw(st.integers(1, 4))
@@ -213,6 +214,17 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True):
     free = [i for i in blocks if i not in pinned] if spec["units"] else []
     spec["skips"] = [frozenset(draw(st.sets(st.sampled_from(free)))) if skip and free
                      else frozenset() for _ in range(STEPS)]
+    # find_unused_parameters=True (stages 0-2): ranks may skip DIFFERENT blocks. The oracle then
+    # runs each rank's rows through the model with that rank's skips (BatchNorm would see
+    # per-rank statistics there, so none is drawn with it).
+    spec["find_unused"] = bool(rank_skip and free and spec["stage"] < 3 and not spec["bn"]
+                               and draw(st.booleans()))
+    if spec["find_unused"] and (spec["frozen"] == ("head",) or
+                                (spec["frozen"] == ("stem",) and spec["tie"] == "stem_head")):
+        spec["frozen"] = None  # a rank must always have a loss to call backward on (DDP too)
+    spec["rank_skips"] = [[frozenset(draw(st.sets(st.sampled_from(free))))
+                           for _ in range(spec["world"])] if spec["find_unused"] else None
+                          for _ in range(STEPS)]
     spec["freeze_after"] = None
     if freeze_after and free and draw(st.booleans()):
         k1 = draw(st.integers(0, STEPS - 1))
@@ -261,6 +273,8 @@ def train_and_compare(spec: dict) -> list[str]:
     kwargs = {}
     if spec["groups"]:
         kwargs["param_groups"] = second_group(spec, net)
+    if spec["find_unused"]:
+        kwargs["find_unused_parameters"] = True
     model = ZeRO(net, stage=spec["stage"], units=unit_arg(spec["units"]),
                  prefetch=spec["prefetch"], **kwargs)
     opt = make_optimizer(spec, model.param_groups() if spec["groups"] else model.parameters())
@@ -287,17 +301,22 @@ def train_and_compare(spec: dict) -> list[str]:
             if step in (k1, k2):
                 for m in (model.module, oracle):
                     m.blocks[block].requires_grad_(step == k2)
-        skip = spec["skips"][step]
+        skips = spec["rank_skips"][step] or [spec["skips"][step]] * world
         xg, yg = data(spec, step, rows)
         x, y = xg[start:start + rows[rank]], yg[start:start + rows[rank]]
         n_all = sum(rows) * spec["out"]
-        loss = F.mse_loss(model(x, skip=skip), y, reduction="sum") * (world / n_all)
+        loss = F.mse_loss(model(x, skip=skips[rank]), y, reduction="sum") * (world / n_all)
         loss.backward()
         got_grads = grads_by_name(model)
         opt.step()
         opt.zero_grad()
 
-        F.mse_loss(oracle(xg, skip=skip), yg).backward()
+        if spec["find_unused"]:  # the global mean over every rank's rows, each its own path
+            bounds = [sum(rows[:r]) for r in range(world + 1)]
+            sum(F.mse_loss(oracle(xg[a:b], skip=skips[r]), yg[a:b], reduction="sum")
+                for r, (a, b) in enumerate(zip(bounds, bounds[1:]))).div(n_all).backward()
+        else:
+            F.mse_loss(oracle(xg, skip=skips[0]), yg).backward()
         want_grads = {n: param_of[n].grad for n in names}
         top = max((g.abs().max().item() for g in want_grads.values()
                    if g is not None and g.numel()), default=0.0)

@@ -280,13 +280,14 @@ def _fsdp2_full_params(model) -> dict:
 def _fsdp1_grads(model) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     with FSDP.summon_full_params(model, writeback=False, with_grads=True):
+        # (FSDP1 gives a frozen parameter in a flat parameter with trainable ones a zero grad)
         return {n.replace("_fsdp_wrapped_module.", ""): p.grad.detach().float().clone()
-                for n, p in model.named_parameters() if p.grad is not None}
+                for n, p in model.named_parameters() if p.grad is not None and p.requires_grad}
 
 
 def _fsdp2_grads(model) -> dict:
     return {n: p.grad.full_tensor().detach().float().clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+            for n, p in model.named_parameters() if p.grad is not None and p.requires_grad}
 
 
 def _zero_grads(model) -> dict:
