@@ -27,8 +27,9 @@ The life of one stage-3 unit in one step (hooks registered by this module)::
     backward              autograd sums the views' grads into full.grad (one flat gradient)
     post-backward hook    (full.grad accumulated) reduce_scatter(avg) -> shard.grad; free full
     end of backward       a callback queued by the first pre-backward hook waits for pending
-                          reductions and reduces any unit that got no gradient (with zeros:
-                          every rank must join every collective, in the same order)
+                          reductions; a unit that got no gradient keeps grad None, as in one
+                          process (find_unused_parameters: a unit only SOME ranks used is
+                          reduced with zeros from the others, in an order every rank shares)
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
