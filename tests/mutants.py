@@ -1,0 +1,120 @@
+"""Mutation check: swap known-wrong variants into a copy of the engine and show the suite fails.
+
+    python tests/mutants.py                 # every mutant, every test listed for it
+    python tests/mutants.py sum_not_avg     # one mutant
+    python tests/mutants.py --first         # stop each mutant at its first killing test
+
+Each mutant is a textual patch of minishard's source (the exact text must occur once: the test
+``test_mutation_script.py`` checks that, so a refactor cannot make a mutant silently inapplicable).
+The patched package is copied, with the tests, into a temporary directory and the tests listed
+for the mutant run there (ci profile) in a fresh pytest, so the warm ranks import the mutant too.
+A mutant must be KILLED: at least one of its tests fails. Exit status 1 if any mutant survives.
+Run it under the shared lock (it starts ranks): flock /tmp/minishard.lock python tests/mutants.py
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (what is wrong, [(file, exact source text, replacement)], [pytest selections])
+MUTANTS = {
+    "sum_not_avg": (
+        "gradients SUMMED over ranks instead of averaged",
+        [("minishard/flat.py", 'comm.all_reduce(send, "avg",', 'comm.all_reduce(send, "sum",'),
+         ("minishard/flat.py", 'comm.reduce_scatter(out, send.reshape(-1), "avg",',
+          'comm.reduce_scatter(out, send.reshape(-1), "sum",')],
+        ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32",
+         "tests/test_differential.py"]),
+    "clip_without_min": (
+        "clip_grad_norm_ scales by max_norm/norm even when the norm is below max_norm",
+        [("minishard/zero.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+          "clip = max_norm / (total + 1e-6)")],
+        ["tests/test_training.py::test_clip_grad_norm_matches_torch_on_the_unsharded_model"]),
+    "zero_grads_for_unused": (
+        "a flat buffer no rank used gets a zero gradient (Adam, momentum, decay then move it)",
+        [("minishard/zero.py", "if flat.requires_grad and flat.full.grad is not None:",
+          "if flat.requires_grad:")],
+        ["tests/test_differential.py"]),
+    "ledger_without_(N-1)/N": (
+        "the ledger's ring cost model forgets the (N-1)/N factor",
+        [("minishard/comm.py",
+          "return Fraction(_RING_FACTOR[op] * (group_size - 1) * full_bytes, group_size)",
+          "return Fraction(_RING_FACTOR[op] * full_bytes, 1)")],
+        ["tests/test_training.py::"
+         "test_bf16_ledger_gathers_half_the_bytes_and_reduces_in_reduce_dtype",
+         "tests/test_zero.py::test_ledger_one_step_is_the_stage_formula"]),
+    "master_rounded_to_bf16": (
+        "the fp32 master shard is rounded to the compute dtype at every gather",
+        [("minishard/flat.py", "        self._gathered_version = self.shard._version\n\n"
+          "    def _send(self)",
+          "        if self.param_dtype != self.dtype:\n"
+          "            self._shard_padded.copy_(self._shard_padded.to(self.param_dtype))\n"
+          "        self._gathered_version = self.shard._version\n\n"
+          "    def _send(self)")],
+        ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
+}
+
+
+def patched_sources(name: str) -> dict[str, str]:
+    """{file: patched text} for a mutant; raises if a patch does not apply exactly once."""
+    out: dict[str, str] = {}
+    for path, old, new in MUTANTS[name][1]:
+        text = out.get(path) or (ROOT / path).read_text()
+        count = text.count(old)
+        if count != 1:
+            raise LookupError(f"mutant {name}: {path} contains the text to patch {count} times "
+                              f"(expected once): {old!r}. Update tests/mutants.py.")
+        out[path] = text.replace(old, new)
+    return out
+
+
+def run_mutant(name: str, first: bool) -> list[tuple[str, bool, float]]:
+    """[(selection, killed, seconds)] for one mutant."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{name.replace('/', '_')}-") as tmp:
+        tmp = Path(tmp)
+        shutil.copytree(ROOT / "minishard", tmp / "minishard")
+        shutil.copytree(ROOT / "tests", tmp / "tests",
+                        ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
+        for path, text in patched_sources(name).items():
+            (tmp / path).write_text(text)
+        env = dict(os.environ, PYTHONPATH=str(tmp), MINISHARD_HYPOTHESIS_PROFILE="ci")
+        for selection in MUTANTS[name][2]:
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "pytest", selection, "-x", "-q",
+                                   "-p", "no:cacheprovider"], cwd=tmp, env=env,
+                                  capture_output=True, text=True, timeout=1800)
+            results.append((selection, proc.returncode != 0, time.perf_counter() - t0))
+            if proc.returncode not in (0, 1):  # not "tests failed": a crash or a usage error
+                print(proc.stdout[-3000:], proc.stderr[-3000:])
+            if first and proc.returncode != 0:
+                break
+    return results
+
+
+def main(argv: list[str]) -> int:
+    first = "--first" in argv
+    names = [a for a in argv if not a.startswith("--")] or list(MUTANTS)
+    survivors = []
+    for name in names:
+        print(f"mutant {name}: {MUTANTS[name][0]}", flush=True)
+        results = run_mutant(name, first)
+        for selection, killed, seconds in results:
+            print(f"    {'KILLED by' if killed else 'survived '} {selection}  ({seconds:.0f} s)",
+                  flush=True)
+        if not any(killed for _, killed, _ in results):
+            survivors.append(name)
+    print("survivors:", survivors or "none")
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
