@@ -301,10 +301,13 @@ def _materialize_module(name, module, slots, written, buffers, group, deferred, 
     own = [(kind, attr, t) for kind, table in (("parameter", module._parameters),
                                                ("buffer", module._buffers))
            for attr, t in table.items() if t is not None]
-    done = {attr for kind, attr, t in own
-            if (kind == "parameter" and (id(slots[id(module), attr][0]),
-                                         slots[id(module), attr][1]) in written)
-            or (kind == "buffer" and id(t) in buffers)}
+    def is_done(kind: str, attr: str, t: torch.Tensor) -> bool:
+        if kind == "buffer":
+            return id(t) in buffers
+        flat, j = slots[id(module), attr]
+        return (id(flat), j) in written
+
+    done = {attr for kind, attr, t in own if is_done(kind, attr, t)}
     targets = {attr: _empty_like(t, deferred.device) for kind, attr, t in own
                if t.is_meta and attr not in done}
     meter.hold(_nbytes(targets.values()))
