@@ -50,8 +50,11 @@ def wrap_worker(build: str) -> None:
     torch.set_num_threads(1)
     world = dist.get_world_size()
 
-    def layers():
-        return nn.Sequential(*[nn.Linear(WRAP_WIDTH, WRAP_WIDTH) for _ in range(WRAP_LAYERS)])
+    def layers(width=WRAP_WIDTH):
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(WRAP_LAYERS)])
+    with torch.device("meta" if build == "meta" else "cpu"):
+        warm = layers(8)  # the same code paths once, small: the first use of a kernel faults
+    minishard.ZeRO(warm, stage=3, units={nn.Linear}, device="cpu")  # its code pages in
     dist.barrier()
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # reset VmHWM to the current resident set

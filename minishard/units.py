@@ -387,8 +387,8 @@ def _was_written(value: torch.Tensor | None, installed: torch.Tensor, before) ->
     tensors: no NaN left. Others: replaced, or their version counter or storage moved."""
     if value is None or value.is_meta:
         return False
-    if value.is_floating_point() or value.is_complex():
-        return not bool(torch.isnan(value).any())
+    if value.is_floating_point() or value.is_complex():  # in chunks: no tensor-sized mask
+        return not any(bool(torch.isnan(c).any()) for c in value.detach().reshape(-1).split(2**16))
     return value is not installed or (value._version, value.data_ptr()) != before
 
 

@@ -528,8 +528,8 @@ class ZeRO(nn.Module):
         rank0 = comm.group_rank(self.group) == 0
         error = self._state_dict_problem(state_dict) if rank0 or not from_rank0 else None
         if from_rank0:
-            error = rank0_verdict(error, self.group, self.flat_params[0].device,
-                                  tag="load_full_state_dict")
+            device = self.flat_params[0].device if len(self.flat_params) else None
+            error = rank0_verdict(error, self.group, device, tag="load_full_state_dict")
         if error is not None:
             raise (KeyError if "missing keys" in error else ValueError)(error)
         with torch.no_grad():
