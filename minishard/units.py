@@ -31,8 +31,11 @@ gathers) lives in zero.py. What happens, in order:
            broadcast each tensor from rank 0; each rank copies the part it keeps into its
            shard (flat.write_param), keeps the buffers, frees the rest
 
-   So no rank holds more than its shards + one module's full tensors (+ the buffers, which
-   every rank keeps): at most the largest unit's, when each module's tensors belong to its unit.
+   So no rank holds more than what its stage keeps + one module's full tensors (+ the buffers,
+   which every rank keeps): at stage 3, the shards + at most the largest unit's full tensors,
+   when each module's tensors belong to its unit. (Laying out a stage-3 buffer allocates its
+   full tensor and frees it at once, untouched: also within that bound.) ``WrapMeter`` counts
+   it all; tests/test_deferred_init.py checks the count exactly.
 
    **Why module by module, in modules() order.** Building under ``torch.device("meta")``
    consumes no random numbers, and ``modules()`` visits submodules in registration order, so
