@@ -133,7 +133,7 @@ def meta_build(spec: dict, seed: int, **kwargs) -> Net:
 
 
 # ================================================ 1. deferred init = the eager build, trained
-def deferred_vs_eager(spec, stage, units, opt_name, per_rank, steps):
+def deferred_vs_eager(spec, stage, units, per_rank, steps):
     n = dist.get_world_size()
     model = ZeRO(meta_build(spec, spec["seed"]), stage=stage, units=UNITS[units], device="cpu")
     torch.manual_seed(spec["seed"])
@@ -143,9 +143,11 @@ def deferred_vs_eager(spec, stage, units, opt_name, per_rank, steps):
                       {"inv_freq": ref.rope.inv_freq}, "non-persistent buffer")
     if spec["norm"] == "batch":  # per-rank BatchNorm statistics: no global-batch oracle
         return bad
-    opt_cls = torch.optim.SGD if opt_name == "sgd" else torch.optim.Adam
-    kw = dict(lr=0.1, momentum=0.9) if opt_name == "sgd" else dict(lr=1e-2)
-    opt, ref_opt = opt_cls(model.parameters(), **kw), opt_cls(ref.parameters(), **kw)
+    # SGD: a gradient that is exactly zero in math (a LayerNorm over 2 features feeds none back)
+    # is rounding noise here, and Adam would turn that noise into steps of +-lr. Adam training
+    # through the engine is compared with the global-batch oracle in test_zero.py.
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     r = dist.get_rank()
     for step in range(steps):
         x, y = batch(spec, step, n * per_rank)
@@ -161,11 +163,10 @@ def deferred_vs_eager(spec, stage, units, opt_name, per_rank, steps):
 
 
 @given(spec=specs(), stage=st.sampled_from(STAGES), world=st.sampled_from(WORLD_SIZES),
-       units=st.sampled_from(list(UNITS)), opt_name=st.sampled_from(["sgd", "adam"]),
-       per_rank=st.integers(1, 3))
+       units=st.sampled_from(list(UNITS)), per_rank=st.integers(1, 3))
 def test_deferred_init_equals_eager_build_and_trains_like_it(pools, spec, stage, world, units,
-                                                               opt_name, per_rank):
-    results = pools(world).run(deferred_vs_eager, spec, stage, units, opt_name, per_rank, 3)
+                                                               per_rank):
+    results = pools(world).run(deferred_vs_eager, spec, stage, units, per_rank, 3)
     assert results == [[]] * world, results
 
 
