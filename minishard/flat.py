@@ -53,7 +53,7 @@ class FlatBuffer:
 
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "",
-                 replicate_group=None) -> None:
+                 replicate_group=None, device: torch.device | None = None) -> None:
         assert mode in ("none", "view", "own"), mode
         assert mode != "none" or replicate_group is None, "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
@@ -73,12 +73,19 @@ class FlatBuffer:
         self.shard_start = start
         self.shard_real = max(0, min(self.shard_numel, self.numel - start))  # without padding
 
-        with torch.no_grad():
-            values = torch.zeros(self.padded_numel, dtype=self.dtype, device=first.device)
-            torch.cat([p.detach().reshape(-1) for p in params], out=values[:self.numel])
+        # Parameters on the meta device have no values yet (deferred init, units.py): what this
+        # rank keeps is laid out on ``device`` as zeros, and write_param() fills it in.
+        deferred = first.is_meta
         cast = self.param_dtype != self.dtype
         if mode == "view" and cast:
             mode = self.mode = "own"  # a bf16 full buffer cannot hold the fp32 master: own it
+        with torch.no_grad():
+            if deferred:  # mode "own" keeps only the shard: no full-size zeros for it
+                values = None if mode == "own" else torch.zeros(
+                    self.padded_numel, dtype=self.dtype, device=device)
+            else:
+                values = torch.zeros(self.padded_numel, dtype=self.dtype, device=first.device)
+                torch.cat([p.detach().reshape(-1) for p in params], out=values[:self.numel])
         if mode == "none":
             self.full = nn.Parameter(values if not cast else values.to(self.param_dtype),
                                      requires_grad=self.requires_grad)
@@ -89,8 +96,14 @@ class FlatBuffer:
             self._shard_padded = self.full.data[start:start + self.shard_numel]
             self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
         else:
+            if values is None:  # deferred: full is allocated and freed at once, never touched
+                self._shard_padded = torch.zeros(self.shard_numel, dtype=self.dtype,
+                                                 device=device)
+                values = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+                values.untyped_storage().resize_(0)
+            else:
+                self._shard_padded = values[start:start + self.shard_numel].clone()
             self.full = values.to(self.param_dtype).requires_grad_(self.requires_grad)
-            self._shard_padded = values[start:start + self.shard_numel].clone()
             self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
         self._gathered_version = self.shard._version
         self._pending = None  # an async gather in flight
@@ -110,6 +123,34 @@ class FlatBuffer:
         self.requires_grad = requires_grad
         self.full.requires_grad_(requires_grad)
         self.shard.requires_grad_(requires_grad)
+
+    def held_bytes(self) -> int:
+        """Bytes of storage this buffer holds now: ``full`` (if not freed) and the shard's own."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (self.full, self._shard_padded)}
+        return sum(storages.values())
+
+    def write_param(self, j: int, value: torch.Tensor) -> None:
+        """Store parameter ``j``'s whole ``value`` (every rank has it) where this rank keeps it:
+        all of it into ``full`` while ``full`` is kept (cast to the compute dtype), and the part
+        that falls in this rank's slice ``[shard_start, shard_start + k)`` into the shard::
+
+            param j = flat[a:b]     shard = flat[s:s+k]     shard[lo-s:hi-s] = value[lo-a:hi-a]
+                                                            lo, hi = max(a, s), min(b, s+k)
+
+        Used by deferred init (units.py), one parameter at a time: no rank ever needs the
+        whole flat buffer to fill its shard."""
+        a = sum(self.numels[:j])
+        b, flat_value = a + self.numels[j], value.detach().reshape(-1)
+        with torch.no_grad():
+            if self.is_gathered:
+                self.full.data[a:b].copy_(flat_value)
+            s = self.shard_start
+            lo, hi = max(a, s), min(b, s + self._shard_padded.numel())
+            if lo < hi:
+                self._shard_padded[lo - s:hi - s].copy_(flat_value[lo - a:hi - a])
+        if self.is_gathered:
+            self._gathered_version = self.shard._version  # full and shard agree: not stale
 
     # ---------------------------------------------------------------------- full param storage
     @property

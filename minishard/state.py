@@ -494,8 +494,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     model.module.load_state_dict(meta["buffers"], strict=False)  # keys checked above
     if optimizer is not None:
         optimizer.load_state_dict(optim_sd)
-    with model.gathered(writeback=False):  # re-gather now, so the module's tensors are current
-        pass                                # (at stage 3 they are freed again on exit)
+    model._refresh_after_load()  # stages 0-2 re-gather, one unit at a time; stage 3 when it runs
     return meta
 
 

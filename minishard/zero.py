@@ -51,8 +51,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
-from minishard.units import (Unit, _detached_views, _inside, build_units, cast_buffers,
-                             check_same_config, sync_initial_state, unit_predicate)
+from minishard.units import (DeferredInit, Unit, WrapMeter, _detached_views, _inside, build_units,
+                             cast_buffers, check_same_config, default_device, has_meta_tensors,
+                             rank0_verdict, sync_initial_state, unit_predicate)
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 
@@ -318,6 +319,16 @@ class ZeRO(nn.Module):
             trainable flat buffer) per backward tells which buffers NO rank used: those keep
             ``grad=None``. Without it (the default, as DDP's), every rank must reach the same
             units in backward; a unit that none reached keeps ``grad=None`` at no cost.
+        device: where tensors on the meta device are materialised (default: the current CUDA
+            device if there is one, else the CPU).
+        param_init_fn: ``fn(module)`` initialising a module's OWN meta tensors (FSDP1's
+            argument); default: the module's ``reset_parameters()``.
+
+    Deferred init: ``module`` may be built (wholly or partly) under ``with torch.device("meta"):``.
+    Its tensors are materialised one module at a time, initialised on rank 0 and broadcast;
+    each rank keeps what its stage keeps, so wrapping never holds more than the shards plus one
+    module's full tensors (``memory_report()["peak_wrapping"]``). With the same seed, the values
+    equal an eager build's; units.py (step 5) says exactly when, and what differs otherwise.
 
     Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards) or
     ``model.param_groups()``.
@@ -331,7 +342,8 @@ class ZeRO(nn.Module):
     def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
                  param_groups: list[dict] | None = None,
-                 find_unused_parameters: bool = False, mesh=None) -> None:
+                 find_unused_parameters: bool = False, mesh=None,
+                 device: torch.device | str | None = None, param_init_fn=None) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -363,11 +375,19 @@ class ZeRO(nn.Module):
         # state dicts and the full optimizer export (state.py) are keyed by these.
         self.param_names = [name for name, _ in module.named_parameters()]
         self._state_keys = list(module.state_dict().keys())
-        sync_initial_state(module, groups.every)
-        cast_buffers(module, self.mp.buffer_dtype)
+        deferred = None
+        if has_meta_tensors(module):  # materialised inside build_units, broadcast from rank 0
+            deferred = DeferredInit(torch.device(device) if device else default_device(),
+                                    param_init_fn)
+        else:
+            sync_initial_state(module, groups.every)
+        self._wrap_meter = WrapMeter()
         self.units = build_units(module, unit_predicate(units), self.group,
                                  flat_mode=self.policy.flat_mode, param_dtype=self.mp.param_dtype,
-                                 group_of=group_of, replicate_group=self.replicate_group)
+                                 group_of=group_of, replicate_group=self.replicate_group,
+                                 deferred=deferred, meter=self._wrap_meter,
+                                 init_group=groups.every)
+        cast_buffers(module, self.mp.buffer_dtype)
         self.flat_params = nn.ParameterList(
             [flat.shard for unit in self.units for flat in unit.flats])
         for shard in self.flat_params:
@@ -399,6 +419,7 @@ class ZeRO(nn.Module):
             if self.policy.free_after_forward:
                 self._free(unit)
             else:
+                self._gather(unit)  # deferred init filled only the shard of an "own" buffer
                 unit.bind_views(detached=True)
         self._note_gathered()
 
@@ -792,44 +813,89 @@ class ZeRO(nn.Module):
                 else:
                     unit.bind_views(detached=True)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unwrapped module's state dict: original names, full tensors, on every rank."""
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unwrapped module's state dict: original names, full tensors, on every rank.
+
+        With ``rank0_only`` (FSDP's name), only rank 0 builds it and the others return ``{}``:
+        the model is gathered one flat buffer at a time (every rank takes part in each gather
+        and drops it at once), and rank 0 alone keeps a copy. So no rank but 0 ever holds more
+        than one unit's full tensors, and rank 0 holds the dict it asked for."""
+        keep = not rank0_only or comm.group_rank(self.group) == 0
         values: dict[str, torch.Tensor] = {}
         for unit in self.units:
             for flat, places in zip(unit.flats, unit.bindings):
                 master = flat.gather_shards(flat.shard)
+                if not keep:
+                    continue
                 for piece, shape, bindings in zip(torch.split(master, flat.numels), flat.shapes,
                                                   places):
                     for b in bindings:
                         values[b.fqn] = piece.view(shape).clone()
+        if not keep:
+            return {}
         for name, buf in self.module.state_dict().items():
             values.setdefault(name, buf.detach().clone())
         return {k: values[k] for k in self._state_keys}
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s."""
-        expected = set(self._state_keys)
-        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
-        if missing or unexpected:
-            raise KeyError(f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys "
-                           f"{sorted(unexpected)}. Pass the full state dict of the same model.")
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None,
+                             from_rank0: bool = False) -> None:
+        """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s.
+
+        With ``from_rank0``, only rank 0's ``state_dict`` is read (the others may pass None):
+        rank 0 checks it and tells every rank its verdict, then broadcasts it one flat buffer
+        at a time, each rank keeping its shard; buffers follow, one by one."""
+        rank0 = comm.group_rank(self.group) == 0
+        error = self._state_dict_problem(state_dict) if rank0 or not from_rank0 else None
+        if from_rank0:
+            device = self.flat_params[0].device if len(self.flat_params) else None
+            error = rank0_verdict(error, self.group, device, tag="load_full_state_dict")
+        if error is not None:
+            raise (KeyError if "missing keys" in error else ValueError)(error)
         with torch.no_grad():
             for unit in self.units:
                 for flat, places in zip(unit.flats, unit.bindings):
-                    pieces = []
-                    for shape, bindings in zip(flat.shapes, places):
-                        t = state_dict[bindings[0].fqn]
-                        if t.shape != shape:
-                            raise ValueError(f"load_full_state_dict: {bindings[0].fqn} has shape "
-                                             f"{tuple(t.shape)}, the model expects {tuple(shape)}")
-                        pieces.append(t.reshape(-1))
-                    flat.load_master(torch.cat(pieces))
-            buffers = {k: v for k, v in state_dict.items() if k in self.module.state_dict()}
+                    if rank0 or not from_rank0:
+                        full = torch.cat([state_dict[bindings[0].fqn].reshape(-1).to(flat.dtype)
+                                          for bindings in places]).to(flat.shard.device)
+                    else:
+                        full = flat.shard.new_empty(flat.numel)
+                    if from_rank0:
+                        comm.broadcast(full, 0, self.group, tag=f"{flat.name} (from rank 0)")
+                    flat.load_master(full)
+            buffers = self.module.state_dict()
+            for name, buf in buffers.items():
+                value = state_dict[name] if rank0 or not from_rank0 else buf.detach().clone()
+                if from_rank0:
+                    value = value.to(buf.device, buf.dtype)
+                    comm.broadcast(value, 0, self.group, tag=f"{name} (from rank 0)")
+                buffers[name] = value
             self.module.load_state_dict(buffers, strict=False)
+        self._refresh_after_load()
+
+    def _refresh_after_load(self) -> None:
+        """The shards changed under the engine (a load): stages 0-2 re-gather the full
+        parameters now, one unit at a time; stage 3 gathers each unit when it next runs."""
         for unit in self.units:
             if not self.policy.free_after_forward:
                 self._gather(unit)
                 unit.bind_views(detached=True)
+
+    def _state_dict_problem(self, state_dict) -> str | None:
+        """What makes ``state_dict`` unloadable into this model (keys, shapes), or None."""
+        expected = set(self._state_keys)
+        given = set(state_dict or {})
+        missing, unexpected = expected - given, given - expected
+        if missing or unexpected:
+            return (f"load_full_state_dict: missing keys {sorted(missing)}, unexpected keys "
+                    f"{sorted(unexpected)}. Pass the full state dict of the same model.")
+        for unit in self.units:
+            for flat, places in zip(unit.flats, unit.bindings):
+                for shape, bindings in zip(flat.shapes, places):
+                    t = state_dict[bindings[0].fqn]
+                    if t.shape != shape:
+                        return (f"load_full_state_dict: {bindings[0].fqn} has shape "
+                                f"{tuple(t.shape)}, the model expects {tuple(shape)}")
+        return None
 
     # -------------------------------------------------------------------------------- memory
     def _note_gathered(self) -> None:
@@ -849,7 +915,11 @@ class ZeRO(nn.Module):
         """Bytes this rank holds right now, by kind (``params``, ``grads``, ``optimizer``: pass the
         optimizer to count its state for our shards), and two peaks of the last step:
         ``peak_gathered_params`` (stage 3: full parameters gathered at once; the others keep
-        them all) and ``peak_full_grads`` (unsharded gradients alive at once during backward)."""
+        them all) and ``peak_full_grads`` (unsharded gradients alive at once during backward).
+        ``peak_wrapping``: the most parameter and buffer bytes this rank held at once while
+        wrapping (the module as given, flat buffers, shards, tensors materialised for an
+        initialiser): the whole model or more for an eager build; for a meta build, the
+        shards, the buffers and one module's full tensors (units.py, WrapMeter)."""
         params = 0
         grads: dict[int, int] = {}  # by storage: coalesced shard grads share one
         for unit in self.units:
@@ -869,4 +939,5 @@ class ZeRO(nn.Module):
                                if isinstance(v, torch.Tensor) and v.dim() > 0)
         return {"params": params, "grads": sum(grads.values()), "optimizer": opt,
                 "peak_gathered_params": self.peak_gathered_bytes,
-                "peak_full_grads": self.peak_full_grad_bytes}
+                "peak_full_grads": self.peak_full_grad_bytes,
+                "peak_wrapping": self._wrap_meter.peak}

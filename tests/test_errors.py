@@ -52,11 +52,6 @@ def unknown_stage():
     minishard.ZeRO(nn.Linear(3, 3), stage=4)
 
 
-def params_on_two_devices():
-    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
-    minishard.ZeRO(module, stage=3)
-
-
 def load_wrong_state_dict(kind):
     model = minishard.ZeRO(nn.Linear(3, 2), stage=3)
     sd = model.full_state_dict()
@@ -160,11 +155,6 @@ def test_ranks_with_different_stages(pools):
 def test_unknown_stage(pools):
     with pytest.raises(RankError, match="stage must be 0, 1, 2 or 3, got 4"):
         pools(1).run(unknown_stage)
-
-
-def test_parameters_on_two_devices_in_one_unit(pools):
-    with pytest.raises(RankError, match="has parameters on several devices"):
-        pools(1).run(params_on_two_devices)
 
 
 @pytest.mark.parametrize("kind, match", [("missing", r"missing keys \['bias'\]"),
