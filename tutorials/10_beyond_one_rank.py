@@ -123,16 +123,8 @@ def oom_child(budget: int, share: int) -> None:
         print(f"stage 0: out of memory: {why.group(0) if why else str(exc)[:120]}", flush=True)
 
 
-def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    if world == 1:
-        say("This lesson needs 2, 3 or 4 ranks (one rank can hold this model; there is no wall "
-            "to cross): torchrun --standalone --nproc_per_node=4 tutorials/10_beyond_one_rank.py")
-        dist.destroy_process_group()
-        sys.exit(2)
     blocks = BLOCKS_PER_RANK * world
     per_block = WIDTH * WIDTH + WIDTH
     psi = blocks * per_block + WIDTH + 1
@@ -218,11 +210,9 @@ def main() -> None:
     say(f"\nA {fmt_decimal(full_state)} training state trained on {world} ranks of "
         f"{fmt_decimal(BUDGET)}. All assertions held.")
 
-    gc.collect()
-    dist.barrier()
+    dist.barrier()  # every rank is done with the checkpoint
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -230,4 +220,7 @@ if __name__ == "__main__":
         oom_child(int(sys.argv[2]), int(sys.argv[3]))
     else:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        main()
+        # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+        with minishard.launch.session(range(2, 5), why="one rank holds this model: there is "
+                                      "no wall to cross") as (rank, world):
+            main(rank, world)

@@ -100,17 +100,13 @@ def split_by_node(led, per_node: int) -> tuple[Fraction, Fraction]:
     return inside, led.total_bytes() - inside
 
 
-def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     nodes, per_node, how = nodes_from_torchrun(world)
     if not nodes:
-        say(f"tutorial 11 needs nodes of equal size, or one machine with an even number of ranks "
-            f"({how}, {world} ranks): e.g. two agents of --nproc-per-node=2 (see the docstring)")
-        dist.destroy_process_group()
-        sys.exit(2)
+        say(f"tutorials/11_outgrowing_one_machine.py needs nodes of equal size ({how}, {world} "
+            "ranks): e.g. two agents of --nproc-per-node=2 (see the docstring)")
+        raise SystemExit(2)
     mesh = init_device_mesh("cpu", (nodes, per_node), mesh_dim_names=("replicate", "shard"))
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
     say(f"{nodes} nodes x {per_node} ranks ({how}); mesh {mesh.mesh.tolist()}: rows are nodes.")
@@ -142,11 +138,12 @@ def main() -> None:
     assert worst < 1e-5, worst  # the same training: only the order of the sums differs
     say(f"\nHybrid vs full sharding after 2 Adam steps: max |param diff| {worst:.1e}. "
         "All assertions held.")
-    del mesh
-    gc.collect()  # drop the engines (and their hooks) before the process groups go
-    dist.barrier()
-    dist.destroy_process_group()
+    del mesh  # the engines (and their hooks) go before the process groups: session's gc
 
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py. On one machine
+    # (--standalone) it splits the ranks into 2 pretend nodes: an even number of them.
+    with minishard.launch.session({2, 4, 6, 8}, why="2 pretend nodes of equal size"
+                                  ) as (rank, world):
+        main(rank, world)

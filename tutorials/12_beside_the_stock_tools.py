@@ -79,10 +79,22 @@ process_group=pg
     FSDP1      process_group=pg
     FSDP2      mesh=init_device_mesh("cuda", (N,))  (a 1-D DeviceMesh)
     DeepSpeed  deepspeed.initialize(..., mpu=...)  (its data-parallel group)
-mesh=2-D (replicate, shard)  (issue 14: hybrid sharding)
+mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     FSDP1      sharding_strategy=ShardingStrategy.HYBRID_SHARD
     FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP)
     DeepSpeed  "zero_optimization": {"stage": 3, "zero_hpz_partition_size": S}  (ZeRO++ hpZ)
+param_groups=[{"params": no_decay, "weight_decay": 0.0}]; AdamW(m.param_groups())
+    FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
+    FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
+    DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)
+find_unused_parameters=True  (stages 0-2)
+    FSDP1      (none: every rank must use the same modules)
+    FSDP2      (none: every rank must use the same modules)
+    DeepSpeed  (none at stage 3; stages 1-2 reduce every gradient)
+m.module.block.requires_grad_(False)  (freeze whole units)
+    FSDP1      use_orig_params=True, then p.requires_grad_(False) (uniform per FSDP unit)
+    FSDP2      p.requires_grad_(False) on the DTensor parameters
+    DeepSpeed  p.requires_grad_(False) before deepspeed.initialize
 --- end ---
 DeepSpeed has no explicit units: at stage 3 it gathers each submodule's parameters as it runs,
 tuned by stage3_prefetch_bucket_size, stage3_max_live_parameters and
@@ -263,17 +275,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def main() -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    if GLOBAL_BATCH % (2 * world):
-        say(f"This lesson splits a batch of {GLOBAL_BATCH} into 2 micro-batches per rank: run it "
-            "at 1, 2, 3, 4 or 6 ranks.")
-        dist.barrier()
-        dist.destroy_process_group()
-        raise SystemExit(2)
     say(f"{world} rank{'s' if world > 1 else ''}; {BLOCKS} blocks of Linear({WIDTH}, {WIDTH}); "
         f"{STEPS} steps of SGD "
         f"(momentum {MOMENTUM}), each 2 micro-batches (the first without gradient sync) and "
@@ -294,9 +297,10 @@ def main() -> None:
     say("The same options in each tool:\n")
     say(options_table())
     say("All assertions held.")
-    dist.barrier()  # let every rank finish before tearing the group down
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    with minishard.launch.session({1, 2, 3, 4, 6}, why=f"a batch of {GLOBAL_BATCH} in 2 "
+                                  "micro-batches per rank") as (rank, world):
+        main(rank, world)
