@@ -7,7 +7,7 @@
 Each mutant is a textual patch of minishard's source (the exact text must occur once: the test
 ``test_mutation_script.py`` checks that, so a refactor cannot make a mutant silently inapplicable).
 The patched package is copied, with the tests, into a temporary directory and the tests listed
-for the mutant run there (ci profile) in a fresh pytest, so the warm ranks import the mutant too.
+for the mutant run there (the ci profile's examples, not shrunk) in a fresh pytest, so the warm ranks import the mutant too.
 A mutant must be KILLED: at least one of its tests fails. Exit status 1 if any mutant survives.
 Run it under the shared lock (it starts ranks): flock /tmp/minishard.lock python tests/mutants.py
 """
@@ -62,6 +62,14 @@ MUTANTS = {
 }
 
 
+_NO_SHRINK = """
+from hypothesis import Phase
+settings.register_profile("mutant", max_examples=25, derandomize=True, print_blob=True,
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate], **_common)
+settings.load_profile("mutant")
+"""
+
+
 def patched_sources(name: str) -> dict[str, str]:
     """{file: patched text} for a mutant; raises if a patch does not apply exactly once."""
     out: dict[str, str] = {}
@@ -86,7 +94,9 @@ def run_mutant(name: str, first: bool) -> list[tuple[str, bool, float]]:
         shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
         for path, text in patched_sources(name).items():
             (tmp / path).write_text(text)
-        env = dict(os.environ, PYTHONPATH=str(tmp), MINISHARD_HYPOTHESIS_PROFILE="ci")
+        with open(tmp / "tests" / "conftest.py", "a") as f:  # the ci draw, without shrinking:
+            f.write(_NO_SHRINK)                              # a kill needs one failing example
+        env = dict(os.environ, PYTHONPATH=str(tmp))
         for selection in MUTANTS[name][2]:
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "pytest", selection, "-x", "-q",

@@ -9,7 +9,7 @@ concatenation of every rank's rows, with a stock ``torch.optim`` optimizer. What
              inner modules); a block called twice; ties inside a unit (head IS stem, a block's
              inner IS its lin) and across units (two blocks' lin weights); one module object under
              two names in two units (``blocks.a.shared is blocks.b.shared``); a layer frozen
-             before wrapping; fp32, fp64, or fp32 with one fp64 block
+             before wrapping (not the head: every rank needs a loss to call backward on); fp32, fp64, or fp32 with one fp64 block
   training   stages 0-3, prefetch or not; SGD(momentum) / Adam / AdamW(weight_decay), optionally
              with a second param group (biases: no weight decay, half the lr) given to the engine
              by the original Parameters (``ZeRO(param_groups=...)``); world sizes 1-4 with uneven
@@ -206,8 +206,10 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, 
     elif tie == "across" and same_dtype:
         spec.update(tie=tie, tie_at=draw(st.sampled_from(same_dtype)))
     spec["share"] = draw(st.none() | st.sampled_from(pairs)) if share and pairs else None
-    spec["frozen"] = draw(st.sampled_from([None, ("stem",), ("head",)]
-                                          + [("lin", i) for i in blocks]))
+    # The head stays trainable: with every block skipped or frozen, a rank's loss would need no
+    # gradient at all and backward would refuse to run (in plain torch too)
+    frozen_stem = [("stem",)] if spec["tie"] != "stem_head" else []
+    spec["frozen"] = draw(st.sampled_from([None] + frozen_stem + [("lin", i) for i in blocks]))
     # Blocks whose parameters some other unit owns (a tie or a module shared across blocks) are
     # never skipped or frozen alone: the engine's unit of "used" and "frozen" is a flat buffer.
     pinned = set(spec["tie_at"] if spec["tie"] == "across" else ()) | set(spec["share"] or ())
@@ -219,9 +221,6 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, 
     # per-rank statistics there, so none is drawn with it).
     spec["find_unused"] = bool(rank_skip and free and spec["stage"] < 3 and not spec["bn"]
                                and draw(st.booleans()))
-    if spec["find_unused"] and (spec["frozen"] == ("head",) or
-                                (spec["frozen"] == ("stem",) and spec["tie"] == "stem_head")):
-        spec["frozen"] = None  # a rank must always have a loss to call backward on (DDP too)
     spec["rank_skips"] = [[frozenset(draw(st.sets(st.sampled_from(free))))
                            for _ in range(spec["world"])] if spec["find_unused"] else None
                           for _ in range(STEPS)]
