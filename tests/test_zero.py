@@ -179,10 +179,14 @@ def loss_fn(out, y):
     return F.mse_loss(out, y)  # a mean: equal per-rank batches => mean of rank losses = global
 
 
+# Adam's update is about lr * g/(|g| + eps): with the default eps=1e-8 a gradient element that is
+# ~1e-9 in one summation order and ~-1e-9 in another moves its weight by +-lr either way, so two
+# correct implementations differ by 2 lr (seen at 4 ranks on an embedding). eps=1e-3 keeps Adam's
+# state and step logic under test while an element that small moves by ~lr*1e-6.
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-    "adam": (torch.optim.Adam, dict(lr=1e-2)),
-    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, eps=1e-3)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, eps=1e-3)),
 }
 
 
