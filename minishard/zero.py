@@ -333,6 +333,12 @@ class ZeRO(nn.Module):
     Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards) or
     ``model.param_groups()``.
 
+    A flat buffer's shard is ONE optimizer parameter: when some of a unit's parameters get a
+    gradient in a step and others of the same buffer do not (a submodule skipped inside a unit),
+    those others get zeros, and momentum, Adam and weight decay move them (FSDP1's flat
+    parameters behave the same). Make a module that is sometimes skipped a unit of its own; a
+    whole unit that no rank used keeps ``grad=None``.
+
     Freezing after wrapping: ``model.module.block.requires_grad_(False)`` (original names) or
     ``shard.requires_grad_(False)`` freezes whole flat buffers; freezing only part of one is
     refused (make that part a unit of its own). A frozen buffer gets no gradient, so the
