@@ -68,6 +68,16 @@ def _diff(model: ZeRO, oracle: nn.Module) -> float:
     return max((got[k] - v).abs().max().item() for k, v in want.items())
 
 
+def _step_both(oracle, ref_opt, model, opt, x, rows: int) -> None:
+    """One step of the oracle on the global batch ``x`` and of the engine on this rank's rows
+    (equal per-rank batches: the mean loss's gradient is the average of the ranks')."""
+    r = dist.get_rank()
+    for m, o, xs in ((oracle, ref_opt, x), (model, opt, x[rows * r:rows * r + rows])):
+        o.zero_grad()
+        m(xs).pow(2).mean().backward()
+        o.step()
+
+
 def _local_loss(out, rows_before, total):
     """This rank's share of the GLOBAL mean loss, times the world size: the engine averages the
     ranks' gradients, so sum_r (N * share_r) / N = the global-batch gradient."""
@@ -162,10 +172,7 @@ def freezing_after_wrapping(stage: int, when: int, what: str, steps: int = 3) ->
             oracle.get_submodule(what).requires_grad_(True)
             model.module.get_submodule(what).requires_grad_(True)
         x = torch.randn(3 * n, 5, generator=torch.Generator().manual_seed(step))
-        for m, o, xs in ((oracle, ref_opt, x), (model, opt, x[3 * r:3 * r + 3])):
-            o.zero_grad()
-            m(xs).pow(2).mean().backward()
-            o.step()
+        _step_both(oracle, ref_opt, model, opt, x, 3)
     return _diff(model, oracle)
 
 
@@ -215,10 +222,7 @@ def shared_module_trains(stage: int) -> tuple[float, list[str]]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     for step in range(2):
         x = torch.randn(2 * n, 4, generator=torch.Generator().manual_seed(step))
-        for m, o, xs in ((oracle, ref_opt, x), (model, opt, x[2 * r:2 * r + 2])):
-            o.zero_grad()
-            m(xs).pow(2).mean().backward()
-            o.step()
+        _step_both(oracle, ref_opt, model, opt, x, 2)
     return _diff(model, oracle), sorted(model.full_state_dict())
 
 
@@ -250,10 +254,7 @@ def groups_by_original_names(stage: int, steps: int = 3) -> float:
     assert [g["weight_decay"] for g in opt.param_groups] == [0.5, 0.0, 0]
     for step in range(steps):
         x = torch.randn(3 * n, 5, generator=torch.Generator().manual_seed(step))
-        for m, o, xs in ((oracle, ref_opt, x), (model, opt, x[3 * r:3 * r + 3])):
-            o.zero_grad()
-            m(xs).pow(2).mean().backward()
-            o.step()
+        _step_both(oracle, ref_opt, model, opt, x, 3)
     return _diff(model, oracle)
 
 
