@@ -146,8 +146,12 @@ def _fsdp2_hybrid(shape, reshard, net, opt_name, units):
             fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(net, mesh=mesh, reshard_after_forward=reshard)
     opt = make_opt(opt_name, net.parameters())
-    return net, opt, lambda: {k: p.full_tensor().detach().clone()
-                              for k, p in net.named_parameters()}
+
+    def full():  # parameters (DTensors, gathered) AND buffers, as test_zero_oracles' FSDP2
+        out = {k: p.full_tensor().detach().clone() for k, p in net.named_parameters()}
+        out.update({k: b.detach().clone() for k, b in net.named_buffers()})
+        return out
+    return net, opt, full
 
 
 def vs_fsdp2_hybrid(shape, spec, stage, units, opt_name, per_rank):
