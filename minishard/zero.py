@@ -134,9 +134,15 @@ class _Released(torch.Tensor):
     not exist then). Any use raises an error naming the parameter, instead of torch's opaque
     complaint about a storage of size 0 deep inside some operator."""
 
+    # What only reads metadata (shape, dtype, the empty meta storage: memory tools scanning
+    # gc.get_objects() call these) is allowed; anything that needs the values raises.
+    _METADATA = {"__get__", "__repr__", "__deepcopy__", "__reduce_ex__", "untyped_storage",
+                 "data_ptr", "storage_offset", "dim", "size", "stride", "numel", "nelement",
+                 "element_size", "is_contiguous"}
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.__deepcopy__, torch.Tensor.__repr__):
+        if getattr(func, "__name__", "") in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         me = next(a for a in tree_flatten((args, kwargs))[0] if isinstance(a, _Released))
@@ -154,9 +160,9 @@ def _released_placeholders(unit: Unit) -> list[list[torch.Tensor]]:
     out = []
     for flat, places in zip(unit.flats, unit.bindings):
         out.append([])
-        for bindings in places:
-            t = torch.Tensor._make_subclass(
-                _Released, torch.empty(0, dtype=flat.param_dtype, device=flat.full.device))
+        for bindings, shape in zip(places, flat.shapes):
+            t = torch.Tensor._make_subclass(  # the parameter's shape, no storage (meta)
+                _Released, torch.empty(shape, dtype=flat.param_dtype, device="meta"))
             t._minishard_name, t._minishard_unit = bindings[0].fqn, unit.name
             out[-1].append(t)
     return out
