@@ -182,15 +182,8 @@ def ledger_one_step_on(shape, spec, stage, units, per_rank):
     over all ranks as one group. Returns every entry's (op, numel, ranks, dim, bytes), and the
     Ledger's own per-group totals for the two groups this rank is in."""
     n, rank = dist.get_world_size(), dist.get_rank()
-    mesh = mesh_of(shape) if shape else None
-    model = ZeRO(build(spec), stage=stage, units=unit_arg(units), mesh=mesh)
-    opt = make_opt("adam", model.parameters())
-    for step in range(2):
-        xg, yg = batch(spec, step, n * per_rank)
-        with minishard.ledger() as led:
-            loss_fn(model(rows_of(xg, per_rank)), rows_of(yg, per_rank)).backward()
-            opt.step()
-            opt.zero_grad()
+    led = test_zero.steady_state_ledger(spec, stage, units, per_rank,
+                                        mesh=mesh_of(shape) if shape else None)
     entries = [(e.op, e.numel, e.ranks, e.dim, e.bytes_sent) for e in led.entries]
     s = shape[1] if shape else n
     row = range(rank // s * s, rank // s * s + s)        # this rank's node

@@ -294,8 +294,14 @@ def ledger_one_step(spec, stage, units, per_rank, prefetch):
     all-gather of the PREVIOUS step's update (issued by this forward), which is the one all-gather
     per step of the stage table; every step in a loop looks like this window. Prefetching only
     moves gathers earlier (asynchronous), so the ledger is the same with it."""
+    led = steady_state_ledger(spec, stage, units, per_rank, prefetch=prefetch)
+    return [(e.op, str(e.dtype), e.numel, e.group_size, e.bytes_sent) for e in led.entries]
+
+
+def steady_state_ledger(spec, stage, units, per_rank, **zero_kwargs) -> minishard.comm.Ledger:
+    """The ledger of the second of two training steps (see ledger_one_step)."""
     n = dist.get_world_size()
-    model = ZeRO(build(spec), stage=stage, units=unit_arg(units), prefetch=prefetch)
+    model = ZeRO(build(spec), stage=stage, units=unit_arg(units), **zero_kwargs)
     opt = make_opt("adam", model.parameters())
     for step in range(2):
         xg, yg = batch(spec, step, n * per_rank)
@@ -303,7 +309,7 @@ def ledger_one_step(spec, stage, units, per_rank, prefetch):
             loss_fn(model(rows_of(xg, per_rank)), rows_of(yg, per_rank)).backward()
             opt.step()
             opt.zero_grad()
-    return [(e.op, str(e.dtype), e.numel, e.group_size, e.bytes_sent) for e in led.entries]
+    return led
 
 
 @given(spec=specs(), stage=st.sampled_from(STAGES), world=st.sampled_from(WORLD_SIZES),
