@@ -77,7 +77,7 @@ from minishard.flat import FlatBuffer
 
 __all__ = ["Unit", "Binding", "unit_predicate", "build_units", "check_same_config",
            "sync_initial_state", "cast_buffers", "DeferredInit", "WrapMeter", "materialize",
-           "has_meta_tensors", "default_device", "rank0_verdict"]
+           "has_meta_tensors", "default_device", "rank0_verdict", "detached_views", "is_inside"]
 
 
 @dataclasses.dataclass
@@ -99,7 +99,7 @@ class Unit:
 
     def bind_views(self, detached: bool = False) -> None:
         """Point every owning module's attribute at its view of the full buffer."""
-        self.views = [flat.views() if not detached else _detached_views(flat)
+        self.views = [flat.views() if not detached else detached_views(flat)
                       for flat in self.flats]
         self.rebind_views()
 
@@ -116,7 +116,7 @@ class Unit:
                 setattr(b.module, b.attr, value)
 
 
-def _detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
+def detached_views(flat: FlatBuffer) -> list[torch.Tensor]:
     with torch.no_grad():
         return [v.detach() for v in flat.views()]
 
@@ -131,7 +131,7 @@ def unit_predicate(units) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, classes)
 
 
-def _inside(name: str, scope: str) -> bool:
+def is_inside(name: str, scope: str) -> bool:
     """Is module path ``name`` the module ``scope`` or inside it? ("" is the root: everything.)"""
     return scope == "" or name == scope or name.startswith(scope + ".")
 
@@ -207,7 +207,7 @@ def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *,
         """The innermost unit containing the module at this path (its canonical name)."""
         best = ""
         for path, canonical in unit_paths.items():
-            if path and _inside(module_path, path) and len(path) > len(best):
+            if path and is_inside(module_path, path) and len(path) > len(best):
                 best = path
         return unit_paths[best]
 
@@ -228,7 +228,7 @@ def build_units(root: nn.Module, is_unit: Callable[[nn.Module], bool], group, *,
     for p, bindings in places.items():
         users = [b.fqn.rsplit(".", 1)[0] if "." in b.fqn else "" for b in bindings]
         common = unit_of(users[0])
-        while not all(any(_inside(u, s) for s in scope_of(common)) for u in users):
+        while not all(any(is_inside(u, s) for s in scope_of(common)) for u in users):
             above = scope_of(common)[0]
             common = unit_of(above.rsplit(".", 1)[0]) if "." in above else ""
         owner[p] = common

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
-from minishard.units import (DeferredInit, Unit, WrapMeter, _detached_views, _inside, build_units,
+from minishard.units import (DeferredInit, Unit, WrapMeter, detached_views, is_inside, build_units,
                              cast_buffers, check_same_config, default_device, has_meta_tensors,
                              rank0_verdict, sync_initial_state, unit_predicate)
 
@@ -711,7 +711,7 @@ class ZeRO(nn.Module):
         touched = []
         for unit in self.units:
             for flat, places in zip(unit.flats, unit.bindings):
-                inside = [any(_inside(b.fqn.rpartition(".")[0], path) for b in bindings)
+                inside = [any(is_inside(b.fqn.rpartition(".")[0], path) for b in bindings)
                           for bindings in places]
                 if not any(inside) or not flat.dtype.is_floating_point:
                     continue
@@ -810,7 +810,7 @@ class ZeRO(nn.Module):
                         torch.split(master, flat.numels), flat.shapes)])
                 else:
                     self._gather_flat(unit, flat)
-                    Unit.bind(flat, places, _detached_views(flat))
+                    Unit.bind(flat, places, detached_views(flat))
         try:
             yield self.module
         finally:
