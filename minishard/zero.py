@@ -51,9 +51,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.flat import FlatBuffer, gather_params, reduce_grads
-from minishard.units import (DeferredInit, Unit, WrapMeter, detached_views, is_inside, build_units,
-                             cast_buffers, check_same_config, default_device, has_meta_tensors,
-                             rank0_verdict, sync_initial_state, unit_predicate)
+from minishard.units import (DeferredInit, Unit, WrapMeter, build_units, cast_buffers,
+                             check_same_config, default_device, detached_views, has_meta_tensors,
+                             is_inside, rank0_verdict, sync_initial_state, unit_predicate)
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 
