@@ -137,12 +137,9 @@ __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "name_sync_batchnorms"]
 
 
-def _channel_view(x: torch.Tensor):
-    """The dims that statistics reduce over (all but C) and the shape that broadcasts a
-    per-channel vector against x: (1, C, 1, ...)."""
-    dims = [0] + list(range(2, x.dim()))
-    shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-    return dims, shape
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    """(1, C, 1, ...): the shape that broadcasts a per-channel vector against x."""
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -150,10 +147,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _per_channel(dtype: torch.dtype, shape, *vectors: torch.Tensor) -> list[torch.Tensor]:
-    """Float64 per-channel vectors, cast to ``dtype`` in ONE conversion and shaped (1, C, 1, ...)
-    to broadcast against x (many tiny casts cost more than the arithmetic on small layers)."""
-    return list(torch.stack(vectors).to(dtype).view(len(vectors), *shape[1:]).unsqueeze(1))
+def _per_channel(dtype: torch.dtype, shape, *vectors: torch.Tensor) -> torch.Tensor:
+    """Float64 per-channel vectors, cast to ``dtype`` in ONE conversion and shaped (k, 1, C, 1, ...)
+    so that row i broadcasts against x (many tiny casts cost more than the arithmetic on small
+    layers)."""
+    return torch.stack(vectors).to(dtype).view(len(vectors), *shape)
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
@@ -166,34 +164,50 @@ def _sum_over_group(t: torch.Tensor, group, tag: str) -> None:
         comm.all_reduce(t, "sum", group=group, tag=tag, algorithm="auto")
 
 
+def _channel_sums(a: torch.Tensor, b: torch.Tensor, shift: torch.Tensor | None = None):
+    """Per channel (every dim but 1): ``(Σ a·(b - shift), Σ a)``, in float32 or better, in ONE
+    pass over a and b and with no temporary of their size. ``shift`` (per channel, default 0) is
+    subtracted in float32 or better, so b may be half precision. a and b must not be empty.
+
+    This is the reduction half of torch's own BatchNorm backward kernel, which returns
+    grad_weight = Σ dy·(x - mean)·invstd and grad_bias = Σ dy: called with dy = a, x = b,
+    mean = shift and invstd = 1. (Spelled out, ``(a * (b - shift)).sum(dims)`` makes two
+    temporaries of a's size; on CPU each fresh one costs page faults, several times the
+    arithmetic on a layer of a few hundred KiB.)"""
+    dtype = torch.promote_types(b.dtype, torch.float32)
+    if shift is None:
+        shift = torch.zeros(b.shape[1], dtype=dtype, device=b.device)
+    ones = torch.ones_like(shift)
+    _, ab, a_sum = torch.ops.aten.native_batch_norm_backward(
+        a.to(b.dtype), b, None, None, None, shift.to(dtype), ones, True, 0.0, [False, True, True])
+    return ab, a_sum
+
+
 def _local_shift(xa: torch.Tensor) -> torch.Tensor:
     """This rank's per-channel mean in xa's dtype (zeros if xa is empty): the value subtracted
     before any other statistics (module doc)."""
     if xa.numel() == 0:
         return torch.zeros(xa.shape[1], dtype=xa.dtype, device=xa.device)
-    return xa.mean(_channel_view(xa)[0])
+    return xa.mean([0] + list(range(2, xa.dim())))
 
 
 def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: str):
     """(n, mean, M2) of the whole group's batch, per channel, float64: the two passes of the
     module doc. ``t`` is this rank's x - x0. One all_reduce unless the pass-1 sums cancel."""
     C = t.shape[1]
-    dims, _ = _channel_view(t)
     n_r = t.numel() // C
-    zeros = torch.zeros(C, dtype=torch.float64, device=t.device)
     if n_r:  # t is small: Σt² - n·mean(t)² has nothing left to cancel (module doc)
-        mean_t = t.mean(dims).double()
-        sum_sq = torch.linalg.vector_norm(t, 2, dims).double().square()  # no temporary of t's size
-        M2_r = (sum_sq - n_r * mean_t * mean_t).clamp_min(0)
+        sum_sq, sum_t = torch.stack(_channel_sums(t, t)).double()
+        mean_t = sum_t / n_r
+        M2_r = (sum_sq - sum_t * mean_t).clamp_min(0)
     else:  # an empty rank: zeros, and it still joins every collective
-        mean_t = M2_r = zeros
+        mean_t = M2_r = torch.zeros(C, dtype=torch.float64, device=t.device)
     m_r = x0.double() + mean_t  # this rank's mean
 
-    stats = torch.cat([n_r * m_r, M2_r + n_r * m_r * m_r,
-                       torch.full((1,), n_r, dtype=torch.float64, device=t.device)])
+    S_r = n_r * m_r
+    stats = torch.cat([S_r, M2_r + S_r * m_r, S_r.new_full((1,), n_r)])
     _sum_over_group(stats, group, f"{tag} forward{suffix}")
-    S, Q = stats[:C], stats[C:2 * C]
-    n = int(stats[2 * C])  # the one device->host read: we need n on the host to raise
+    S, Q, n = stats[:C], stats[C:2 * C], int(stats[2 * C])  # n: the one device->host read
     if n == 1:  # every rank sees the same n, so every rank raises here: no rank hangs
         raise ValueError(
             f"Expected more than 1 value per channel when training, got input size "
@@ -205,9 +219,9 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
 
     # Pass 1's float64 error bound against one rounding unit of the local statistics (module
     # doc); every rank holds the same S, Q, n, so every rank takes the same branch.
-    error_bound = (3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64) * Q
-    if bool((error_bound > _unit_roundoff(t.dtype) * M2).any()):
-        d_r = (x0.double() - mean) + mean_t if n_r else zeros  # m_r - mean, digits kept
+    bound = (3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64) / _unit_roundoff(t.dtype)
+    if bool((bound * Q > M2).any()):
+        d_r = (x0.double() - mean) + mean_t  # m_r - mean, digits kept (zeros on an empty rank)
         shifted = torch.cat([n_r * d_r, M2_r + n_r * d_r * d_r])
         _sum_over_group(shifted, group, f"{tag} forward{suffix} (second pass)")
         D, E = shifted[:C], shifted[C:]
@@ -224,14 +238,12 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, tag,
                 suffix=""):
-        dims, shape = _channel_view(x)
-        dtype = _compute_dtype(x)
+        shape, dtype = _channel_shape(x), _compute_dtype(x)
         # t = x - x0, x0 this rank's mean rounded to the compute dtype: the only tensor of x's
         # size made here (y is built in it). For half inputs: one float32 copy, shifted in place.
-        xa = x.to(dtype)  # x itself unless x is half precision
+        xa = x if x.dtype == dtype else x.to(dtype)
         x0 = _local_shift(xa)
-        (x0_,) = _per_channel(dtype, shape, x0)
-        t = xa - x0_ if xa is x else xa.sub_(x0_)
+        t = xa - x0.view(shape) if xa is x else xa.sub_(x0.view(shape))
         n, mean, M2 = _global_stats(t, x0, group, tag, suffix)
         var = (M2 / n).clamp_min(0)  # clamp: rounding may leave a tiny negative
         invstd = torch.rsqrt(var + eps)
@@ -239,16 +251,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if running_mean is not None and n > 0:  # n == 0 (every rank empty): leave them, as stock
             m = momentum
             running_mean.mul_(1 - m).add_(m * mean.to(running_mean.dtype))
-            running_var.mul_(1 - m).add_(m * (var * n / (n - 1)).to(running_var.dtype))
+            running_var.mul_(1 - m).add_(m * (var * (n / (n - 1))).to(running_var.dtype))
 
         # y = (x - mean)·scale + b = t·scale + (b - (mean - x0)·scale): the large common part x0
         # is already gone from t, and mean - x0 is small and formed in float64, so the mean is
         # never rounded to the compute dtype (let alone to a half-precision input's).
-        scale = invstd if weight is None else invstd * weight.to(torch.float64)
-        shift = torch.zeros_like(mean) if bias is None else bias.to(torch.float64)
+        scale = invstd if weight is None else invstd * weight.double()
         c0 = mean - x0.double() if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
-        s, b = _per_channel(dtype, shape, scale, shift - c0 * scale)
-        y = t.mul_(s).add_(b).to(x.dtype)  # .to: a no-op unless the input is half precision
+        shift = -c0 * scale if bias is None else bias.double() - c0 * scale
+        s_b = _per_channel(dtype, shape, scale, shift)
+        y = t.mul_(s_b[0]).add_(s_b[1])
+        y = y if y.dtype == x.dtype else y.to(x.dtype)  # half inputs: back to their dtype
 
         ctx.save_for_backward(x, weight, x0, c0, invstd)
         ctx.n, ctx.group, ctx.tag, ctx.suffix = n, group, tag, suffix
@@ -259,16 +272,16 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @once_differentiable  # the collective below is not differentiable: refuse double backward
     def backward(ctx, dy):
         x, weight, x0, c0, invstd = ctx.saved_tensors  # c0 = mean - x0
-        C = x.shape[1]
-        dims, shape = _channel_view(x)
-        dtype = _compute_dtype(x)
-        (x0_,) = _per_channel(dtype, shape, x0)
-        t = x.to(dtype) - x0_                              # x̂ = (t - c0)·invstd
-        dy_acc = dy.to(dtype)
+        C, shape, dtype = x.shape[1], _channel_shape(x), _compute_dtype(x)
 
-        # The local parts of A and B in float32 or better (dy·t is not normalised: its size is
-        # |dy|·std, so in float16 it would overflow or underflow); Σdy·(t - c0) in float64.
-        sums = torch.cat([dy_acc.sum(dims), (dy_acc * t).sum(dims)]).to(torch.float64)
+        # The local parts of A and B: Σdy and Σdy·(x - x0), one fused pass in float32 or better
+        # (dy·t is not normalised: its size is |dy|·std, so in float16 it would overflow);
+        # then Σdy·(t - c0) in float64.
+        if x.numel():
+            sum_dy_t, sum_dy = _channel_sums(dy, x, x0)
+            sums = torch.cat([sum_dy, sum_dy_t]).double()
+        else:
+            sums = torch.zeros(2 * C, dtype=torch.float64, device=x.device)
         sum_dy = sums[:C]
         sum_dy_xhat = sums[C:] - c0 * sum_dy
         if ctx.n:  # (every rank empty: invstd is NaN and the sums are 0; keep them 0)
@@ -284,11 +297,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
             _sum_over_group(AB, ctx.group, f"{ctx.tag} backward{ctx.suffix}")
             A, B = AB[:C], AB[C:]
             n = ctx.n
-            k = invstd if weight is None else invstd * weight.to(torch.float64)
+            k = invstd if weight is None else invstd * weight.double()
             c = k * invstd * B / n
             # dx = w·invstd·(dy - A/n - x̂·B/n) = dy·k - (t - c0)·c - k·A/n
-            c_, k_, K = _per_channel(dtype, shape, c, k, k * A / n - c0 * c)
-            dx = t.mul_(c_.neg()).sub_(K).addcmul_(dy_acc, k_).to(x.dtype)
+            x0_, minus_c, K, k_ = _per_channel(dtype, shape, x0, -c, k * A / n - c0 * c, k)
+            t = x - x0_ if x.dtype == dtype else x.to(dtype).sub_(x0_)  # t, in dx's buffer
+            dx = t.mul_(minus_c).sub_(K).addcmul_(dy, k_)
+            dx = dx if dx.dtype == x.dtype else dx.to(x.dtype)
         return dx, dweight, dbias, None, None, None, None, None, None, None
 
 
