@@ -18,6 +18,30 @@ ledger; for the stock systems the same ring formula applied to what they communi
 ledger's ``blocked_s``): the communication NOT hidden behind computation. Prefetch is judged by
 how much of it disappears.
 
+"limit" is what this machine allows for the system's communication pattern, by the alpha-beta
+model of comm.py (ALPHA per round, BETA per byte sent, measured by bench/alpha_beta.py)::
+
+    compute = floor's forward + backward + optimizer step (times 1/N when the optimizer
+              state is sharded: stages 1-3, ZeroRedundancyOptimizer, FSDP)
+    comm    = sum over the step's collectives of (rounds * ALPHA + bytes sent * BETA), each
+              in its cheapest algorithm (all_reduce: ring or direct; all_gather and
+              reduce_scatter: one exchange round)
+    hide    = the computation those collectives can run under: the backward for reductions,
+              plus the forward for systems that gather parameters in it (stage 3, and the
+              re-gathers of stages 1-2)
+    tail    = what nothing can hide: the last reduction of the step (after the last gradient),
+              and for stage 3 also the first gather (before the first layer)
+    limit   = compute + max(comm - hide, tail)
+
+taken from minishard's ledger for each design; each stock system is given the limit of the
+minishard design it matches (DDP: stage 0, +ZeRO-opt: stage 1, SHARD_GRAD_OP / no-reshard:
+stage 2, FULL_SHARD / FSDP2: stage 3). "vs limit" = measured / limit. The model lets
+communication overlap computation for free; on 2 cores, where gloo's loopback copies run on the
+same cores as the computation, no system reaches it.
+
+``--phases`` also prints, per system, the median forward, backward and optimizer-step times, the
+ms blocked in each, and the CPU time the rank used per step (all its threads: gloo's included).
+
 minishard runs with one unit per block (as FSDP is wrapped), and stage 0 also with the whole
 model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 """
@@ -132,10 +156,60 @@ def _resident_kib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 1024
 
 
-def step(model, opt, x):
+def _cpu_s() -> float:
+    """CPU seconds this process has used (all threads: gloo's too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def step(model, opt, x) -> dict[str, float]:
+    """One training step; returns the seconds of each phase, the seconds blocked on collectives
+    in each, and the CPU seconds used."""
+    cpu0, t0 = _cpu_s(), time.perf_counter()
     opt.zero_grad(set_to_none=True)
-    model(x).square().mean().backward()
-    opt.step()
+    with minishard.ledger() as fwd:
+        loss = model(x).square().mean()
+    t1 = time.perf_counter()
+    with minishard.ledger() as bwd:
+        loss.backward()
+    t2 = time.perf_counter()
+    with minishard.ledger() as upd:
+        opt.step()
+    t3 = time.perf_counter()
+    return {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "cpu": _cpu_s() - cpu0,
+            "blocked forward": fwd.blocked_s, "blocked backward": bwd.blocked_s,
+            "blocked step": upd.blocked_s}
+
+
+# ------------------------------------------------------------------------ the alpha-beta limit
+_MATCHING_DESIGN = {"torch DDP": "minishard stage 0", "torch DDP+ZeRO-opt": "minishard stage 1",
+                    "FSDP1 SHARD_GRAD_OP": "minishard stage 2",
+                    "FSDP2 no-reshard": "minishard stage 2",
+                    "FSDP1 FULL_SHARD": "minishard stage 3", "FSDP2": "minishard stage 3"}
+
+
+def _cost(entry) -> float:
+    """Seconds the alpha-beta model gives one collective, in its cheapest algorithm."""
+    from minishard import comm
+    full = entry.numel * torch.empty((), dtype=entry.dtype).element_size()
+    if entry.op == "all_reduce":
+        return min(comm.all_reduce_cost(a, full, entry.group_size) for a in ("ring", "direct"))
+    return comm.ALPHA + float(comm.ring_bytes(entry.op, full, entry.group_size)) * comm.BETA
+
+
+def limit_ms(name: str, entries, floor: dict[str, float], world: int) -> float:
+    """The bench docstring's limit, in ms, for minishard system ``name`` with the collectives
+    ``entries`` of one step (in issue order) and the floor's median phase times (seconds)."""
+    sharded_opt = "stage 0" not in name
+    gathers_in_forward = "stage" in name and "stage 0" not in name
+    compute = floor["forward"] + floor["backward"] + floor["step"] / (world if sharded_opt else 1)
+    comm_s = sum(_cost(e) for e in entries)
+    hide = floor["backward"] + (floor["forward"] if gathers_in_forward else 0.0)
+    reductions = [e for e in entries if e.op in ("all_reduce", "reduce_scatter")]
+    tail = _cost(reductions[-1]) if reductions else 0.0
+    if "stage 3" in name:
+        tail += next((_cost(e) for e in entries if e.op == "all_gather"), 0.0)
+    return 1000 * (compute + max(comm_s - hide, tail))
 
 
 def main() -> None:
@@ -145,6 +219,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", help="run one system alone (a fresh process: for its peak RSS)")
     parser.add_argument("--systems", help="comma-separated names: run only these (and the floor)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print each system's forward / backward / step times")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -164,7 +240,8 @@ def main() -> None:
     batches = [make_batch(gen) for _ in range(4)]
     times = {name: [] for name in table}
     blocked = {name: [] for name in table}  # minishard only: ms waiting on collectives
-    sent = {}
+    phases = {name: [] for name in table}
+    sent, entries = {}, {}
     for i in range(args.warmup + args.steps):
         for name, (model, opt) in built.items():
             x = batches[i % len(batches)]
@@ -172,13 +249,14 @@ def main() -> None:
             t0 = time.perf_counter()
             minishard.comm.set_debug(name.endswith("+debug"))  # MINISHARD_DEBUG's cost
             with minishard.ledger() as led:
-                step(model, opt, x)
+                phase = step(model, opt, x)
             dt = time.perf_counter() - t0
             minishard.comm.set_debug(False)
             if i >= args.warmup:
                 times[name].append(dt)
                 blocked[name].append(led.blocked_s)
-                sent[name] = float(led.total_bytes())
+                phases[name].append(phase)
+                sent[name], entries[name] = float(led.total_bytes()), led.entries
     if args.only:  # one system in a fresh process: the memory it holds is its own
         gc.collect()
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # high-water mark (Linux)
@@ -195,16 +273,32 @@ def main() -> None:
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
         f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up\n")
     say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
-        f"{'ms blocked':>12}")
+        f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
     waited = {name: statistics.median(ts) * 1000 for name, ts in blocked.items()}
+    phase_med = {name: {k: statistics.median(p[k] for p in rows) for k in rows[0]}
+                 for name, rows in phases.items()}
+    limits = {name: limit_ms(name, entries[name], phase_med["floor"], world)
+              for name in table if name.startswith("minishard")}
+    limits["floor"] = med["floor"]
     # medians agree across ranks only roughly; report rank 0's, the slowest-rank max is similar
     for name, (_, stock, formula) in table.items():
         ratio = f"{med[name] / med[stock]:.2f}x" if stock else ""
         mib = (sent[name] if formula is None else formula) / 2**20
         wait = f"{waited[name]:.1f}" if formula is None else "-"
+        limit = limits.get(name, limits.get(_MATCHING_DESIGN.get(name, ""), None))
+        bound = f"{limit:>10.1f}{med[name] / limit:>9.2f}x" if limit else f"{'':>20}"
         say(f"{name:<28}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}"
-            f"{wait:>12}")
+            f"{wait:>12}{bound}")
+    if args.phases:
+        keys = ["forward", "backward", "step", "blocked forward", "blocked backward",
+                "blocked step", "cpu"]
+        say(f"\nper phase, median ms (blocked: waiting on minishard's collectives; cpu: all "
+            f"threads of the rank)\n{'system':<28}" + "".join(f"{k:>11}" for k in
+                                                            ["fwd", "bwd", "step", "blk fwd",
+                                                             "blk bwd", "blk step", "cpu"]))
+        for name in table:
+            say(f"{name:<28}" + "".join(f"{1000 * phase_med[name][k]:>11.1f}" for k in keys))
     off, on = "minishard stage 3", "minishard stage 3 +prefetch"
     if off in table and on in table and waited[off] > 0:
         say(f"\nprefetch: stage 3 blocked {waited[off]:.1f} ms/step waiting on collectives "
