@@ -1,6 +1,7 @@
 """minishard's ZeRO stages side by side with the stock systems, in ONE run, interleaved.
 
     torchrun --standalone --nproc_per_node=2 bench/zero_vs_stock.py [--model mlp|gpt] [--steps 30]
+        [--phases] [--blocks-per-unit K] [--systems "minishard stage 3,..."]
 
 Every system trains the same model on the same data. After a warm-up, the systems take turns one
 step at a time (so drift in the machine's speed hits all of them alike), and we report the median
@@ -84,19 +85,26 @@ class GPTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def build(kind: str):
+class Group(nn.Sequential):
+    """``--blocks-per-unit K``: K consecutive blocks, wrapped (FSDP) and sharded (minishard) as one."""
+
+
+def build(kind: str, blocks_per_unit: int = 1):
     torch.manual_seed(0)
     if kind == "mlp":
-        model = nn.Sequential(*[MLPBlock(512) for _ in range(8)])
+        blocks, block = [MLPBlock(512) for _ in range(8)], MLPBlock
         make_batch = lambda g: torch.randn(32, 512, generator=g)
-        return model, MLPBlock, make_batch
-    model = nn.Sequential(*[GPTBlock(256) for _ in range(6)])
-    make_batch = lambda g: torch.randn(8, 64, 256, generator=g)
-    return model, GPTBlock, make_batch
+    else:
+        blocks, block = [GPTBlock(256) for _ in range(6)], GPTBlock
+        make_batch = lambda g: torch.randn(8, 64, 256, generator=g)
+    if blocks_per_unit > 1:  # the same blocks and values, grouped: only the units change
+        k = blocks_per_unit
+        blocks, block = [Group(*blocks[i:i + k]) for i in range(0, len(blocks), k)], Group
+    return nn.Sequential(*blocks), block, make_batch
 
 
 # ----------------------------------------------------------------------------------- systems
-def systems(kind: str, world: int):
+def systems(kind: str, world: int, blocks_per_unit: int = 1):
     """name -> (build() -> (model, optimizer), stock equivalent or None, bytes sent per step per
     rank for the stock systems: the ring formula of what they communicate; None = our ledger)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
@@ -105,7 +113,7 @@ def systems(kind: str, world: int):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    base, block, _ = build(kind)
+    base, block, _ = build(kind, blocks_per_unit)
     psi = sum(p.numel() for p in base.parameters())
     ring = (world - 1) / world * 4 * psi
     fresh = lambda: copy.deepcopy(base)
@@ -219,6 +227,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--only", help="run one system alone (a fresh process: for its peak RSS)")
     parser.add_argument("--systems", help="comma-separated names: run only these (and the floor)")
+    parser.add_argument("--blocks-per-unit", type=int, default=1,
+                        help="wrap / shard K consecutive blocks as one unit (granularity)")
     parser.add_argument("--phases", action="store_true",
                         help="also print each system's forward / backward / step times")
     args = parser.parse_args()
@@ -226,7 +236,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    table = systems(args.model, world)
+    table = systems(args.model, world, args.blocks_per_unit)
     if args.only:
         table = {args.only: table[args.only]}
     elif args.systems:
@@ -271,7 +281,8 @@ def main() -> None:
         return
     psi = sum(p.numel() for p in build(args.model)[0].parameters())
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
-        f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up\n")
+        f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up, "
+        f"{args.blocks_per_unit} block(s) per unit\n")
     say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
         f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
