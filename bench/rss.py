@@ -26,7 +26,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SYSTEMS = ["floor", "torch DDP", "torch DDP+ZeRO-opt", "FSDP1 SHARD_GRAD_OP", "FSDP1 FULL_SHARD",
            "FSDP2 no-reshard", "FSDP2", "minishard stage 0", "minishard stage 1",
-           "minishard stage 2", "minishard stage 3", "minishard stage 3 +prefetch"]
+           "minishard stage 2", "minishard stage 3", "minishard stage 3 +prefetch",
+           "minishard stage 3 +prefetch +4MiB"]
 
 
 WRAP_LAYERS, WRAP_WIDTH = 8, 1024  # 8 units of Linear(1024): 4.2 MB each, 33.6 MB in all

@@ -132,9 +132,9 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
                 fully_shard(sub, reshard_after_forward=reshard)
         return with_adam(fully_shard(m, reshard_after_forward=reshard))
 
-    def ours(stage, units, prefetch=False):
+    def ours(stage, units, prefetch=False, bucket_bytes=0):
         return lambda: with_adam(minishard.ZeRO(fresh(), stage=stage, units=units,
-                                                prefetch=prefetch))
+                                                prefetch=prefetch, bucket_bytes=bucket_bytes))
 
     def ddp_zero_opt():
         m = DDP(fresh())
@@ -154,6 +154,8 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
         "minishard stage 2": (ours(2, {block}), "FSDP1 SHARD_GRAD_OP", None),
         "minishard stage 3": (ours(3, {block}), "FSDP1 FULL_SHARD", None),
         "minishard stage 3 +prefetch": (ours(3, {block}, True), "FSDP1 FULL_SHARD", None),
+        "minishard stage 3 +prefetch +4MiB": (ours(3, {block}, True, 4 * 2**20),
+                                               "FSDP1 FULL_SHARD", None),
         "minishard stage 3 +debug": (ours(3, {block}), "minishard stage 3", None),
     }
 
@@ -283,7 +285,7 @@ def main() -> None:
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
         f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up, "
         f"{args.blocks_per_unit} block(s) per unit\n")
-    say(f"{'system':<28}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
+    say(f"{'system':<36}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
         f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
     waited = {name: statistics.median(ts) * 1000 for name, ts in blocked.items()}
@@ -299,17 +301,17 @@ def main() -> None:
         wait = f"{waited[name]:.1f}" if formula is None else "-"
         limit = limits.get(name, limits.get(_MATCHING_DESIGN.get(name, ""), None))
         bound = f"{limit:>10.1f}{med[name] / limit:>9.2f}x" if limit else f"{'':>20}"
-        say(f"{name:<28}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}"
+        say(f"{name:<36}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}"
             f"{wait:>12}{bound}")
     if args.phases:
         keys = ["forward", "backward", "step", "blocked forward", "blocked backward",
                 "blocked step", "cpu"]
         say(f"\nper phase, median ms (blocked: waiting on minishard's collectives; cpu: all "
-            f"threads of the rank)\n{'system':<28}" + "".join(f"{k:>11}" for k in
+            f"threads of the rank)\n{'system':<36}" + "".join(f"{k:>11}" for k in
                                                             ["fwd", "bwd", "step", "blk fwd",
                                                              "blk bwd", "blk step", "cpu"]))
         for name in table:
-            say(f"{name:<28}" + "".join(f"{1000 * phase_med[name][k]:>11.1f}" for k in keys))
+            say(f"{name:<36}" + "".join(f"{1000 * phase_med[name][k]:>11.1f}" for k in keys))
     off, on = "minishard stage 3", "minishard stage 3 +prefetch"
     if off in table and on in table and waited[off] > 0:
         say(f"\nprefetch: stage 3 blocked {waited[off]:.1f} ms/step waiting on collectives "

@@ -13,7 +13,9 @@ only in WHEN full tensors exist and WHEN gradients are reduced; that is this tab
 
     every stage launches a unit's reduction as soon as autograd has finished that unit's
     gradient (overlapping the rest of backward); 0 and 1 await them all at the end of backward,
-    2 and 3 await each soon after, which is what frees their full gradients early.
+    2 and 3 await each soon after, which is what frees their full gradients early. (0 and 1
+    coalesce ready units into buckets of about _BUCKET_BYTES; with ``bucket_bytes``, 2 and 3
+    coalesce too, and stage 3 gathers consecutive units in one collective.)
     after the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
     buffers (lazily: the next forward, ``gathered()`` or state-dict call notices the shard changed;
     the forward coalesces them into gathers of about _BUCKET_BYTES, at most two in flight).
@@ -301,6 +303,9 @@ class ZeRO(nn.Module):
         units: ``None`` (the whole module is one unit), a module class or a collection of classes
             (every matching submodule is its own unit), or a predicate ``fn(module) -> bool``.
             A parameter belongs to the innermost unit that contains every module using it.
+            Each unit is one collective per gather and per reduction: on gloo over loopback a
+            collective costs about 1.6 ms whatever its size, so there units of several MiB
+            train faster than many small ones (bench/RESULTS.md, "Where stage 3's time goes").
         process_group: the ranks to shard over (default: all).
         mesh: instead of ``process_group``, a ``torch.distributed.device_mesh.DeviceMesh``.
             1-D: the same as its process group. 2-D, dims (replicate, shard) as in FSDP2, e.g.
@@ -314,6 +319,17 @@ class ZeRO(nn.Module):
         mixed_precision: a :class:`MixedPrecision` (default: compute in the parameters' dtype).
         prefetch: issue the next unit's all-gather asynchronously while this one computes
             (order recorded on the first forward, reversed for backward; two gathers at most).
+        bucket_bytes: (stages 2-3) move consecutive units together: from the second step on,
+            stage 3 gathers a unit together with the units after it in forward order (before
+            it in backward) up to about this many bytes of parameters, in ONE collective, and
+            stages 2-3 reduce the gradients of units that finish one after another in
+            collectives of up to about this many bytes. 0 (the default): one collective per
+            unit, one unit's full parameters gathered at a time (plus the next with prefetch).
+            With buckets: one bucket (or the largest unit, if larger) at a time, plus the next
+            bucket with prefetch; up to a bucket of full gradients waiting for their
+            reduction; and a staging buffer of a bucket while it moves. Fewer collectives for
+            that memory: worth it where each collective has a fixed cost small units do not
+            amortise (bench/RESULTS.md: gloo over loopback, ~1.6 ms per collective).
         param_groups: optimizer parameter groups over the ORIGINAL parameters, as you would
             pass them to ``torch.optim`` for the unwrapped model (``[{"params": [...],
             "weight_decay": 0.0}, ...]``). Parameters of different groups get different flat
@@ -355,7 +371,8 @@ class ZeRO(nn.Module):
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
                  param_groups: list[dict] | None = None,
                  find_unused_parameters: bool = False, mesh=None,
-                 device: torch.device | str | None = None, param_init_fn=None) -> None:
+                 device: torch.device | str | None = None, param_init_fn=None,
+                 bucket_bytes: int = 0) -> None:
         super().__init__()
         if stage not in STAGES:
             raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
@@ -379,6 +396,9 @@ class ZeRO(nn.Module):
         self.world = comm.group_size(self.group)
         self.mp = mixed_precision or MixedPrecision()
         self.prefetch = prefetch
+        if bucket_bytes < 0:
+            raise ValueError(f"ZeRO: bucket_bytes must be >= 0, got {bucket_bytes!r}")
+        self.bucket_bytes = bucket_bytes
         self.find_unused = find_unused_parameters
         check_same_config(module, stage, groups.every)
         group_of, self._group_options = _param_group_index(module, param_groups)
@@ -470,7 +490,7 @@ class ZeRO(nn.Module):
                 self._refresh_stale()
         if not self._order_recorded and unit not in self._order:
             self._order.append(unit)
-        self._gather(unit)
+        self._gather_from(unit, step=+1)
         unit.bind_views()
         self._log("forward", unit)
         if self._regather_queue and not self._in_backward:
@@ -503,7 +523,7 @@ class ZeRO(nn.Module):
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
         self._start_backward()
-        self._gather(unit)
+        self._gather_from(unit, step=-1)
         if self.policy.free_after_forward and unit.views:
             unit.rebind_views()  # a checkpointed part of the unit recomputes from its attributes
         self._log("backward", unit)
@@ -532,7 +552,7 @@ class ZeRO(nn.Module):
             return
         i = self._order.index(unit) + step
         if 0 <= i < len(self._order):
-            self._gather(self._order[i], async_op=True)
+            self._gather_from(self._order[i], step, async_op=True)
 
     def _refresh_stale(self) -> None:
         """Stages 1-2: the optimizer step changed the shards. Queue every stale full buffer, in
@@ -565,6 +585,38 @@ class ZeRO(nn.Module):
             bucket = [f for f in self._regather_queue.pop(0) if f.is_stale]
             if bucket:
                 self._regathers.append(gather_params(bucket))
+
+    def _gather_from(self, unit: Unit, step: int, async_op: bool = False) -> None:
+        """Gather ``unit`` for the forward (``step=+1``) or backward (-1) schedule. With
+        ``bucket_bytes`` at stage 3, once the order is known, the units that run after it (in
+        that direction) and are not gathered join its collective, up to about bucket_bytes in
+        all: one collective for several small units. Each still frees its own parameters after
+        it has run, so a bucket's memory drains unit by unit."""
+        missing = lambda u: [f for f in u.flats if not f.is_gathered or f.is_stale]
+        if not (self.bucket_bytes and self.policy.free_after_forward and self._order_recorded
+                and unit in self._order and missing(unit)):
+            self._gather(unit, async_op)
+            return
+        i = self._order.index(unit)
+        later = self._order[i + 1:] if step > 0 else self._order[:i][::-1]
+        bucket = [(unit, missing(unit))]
+        size = sum(f.full_bytes() for f in bucket[0][1])
+        for other in later:
+            flats = missing(other)
+            size += sum(f.full_bytes() for f in flats)
+            if size > self.bucket_bytes:
+                break
+            bucket.append((other, flats))
+        flats = [f for _, fs in bucket for f in fs]
+        for dtype in dict.fromkeys(f.param_dtype for f in flats):  # one collective per dtype
+            gather_params([f for f in flats if f.param_dtype == dtype])
+        self._note_gathered()
+        for u, fs in bucket:
+            if fs:
+                self._log("gather", u)
+        if not async_op:
+            for flat in unit.flats:
+                flat.wait()
 
     def _gather(self, unit: Unit, async_op: bool = False) -> None:
         for flat in unit.flats:
@@ -628,21 +680,22 @@ class ZeRO(nn.Module):
         self._launched = launched
 
     def _schedule(self, flat: FlatBuffer) -> None:
-        if self.policy.free_grads_early:
-            self._launch([flat])
-            while len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
-                self._in_flight.pop(0)[0].wait()
-            return
+        """Queue ``flat``'s reduction in the bucket; launch the bucket once it holds about
+        _BUCKET_BYTES (stages 0-1) or ``bucket_bytes`` (stages 2-3: 0 launches every flat at
+        once, freeing its full gradient soonest)."""
+        cap = self.bucket_bytes if self.policy.free_grads_early else _BUCKET_BYTES
         if self._bucket and self._bucket[0].param_dtype != flat.param_dtype:
             self._flush_bucket()  # one collective moves one dtype
         self._bucket.append(flat)
-        if sum(f.full_bytes() for f in self._bucket) >= _BUCKET_BYTES:
+        if sum(f.full_bytes() for f in self._bucket) >= cap:
             self._flush_bucket()
 
     def _flush_bucket(self) -> None:
         if self._bucket:
             self._launch(self._bucket)
             self._bucket = []
+        while self.policy.free_grads_early and len(self._in_flight) > _MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.pop(0)[0].wait()
 
     def _launch(self, flats: list[FlatBuffer]) -> None:
         nbytes = sum(f.full_bytes() for f in flats)

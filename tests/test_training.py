@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import event, given, settings, strategies as st
+from hypothesis import event, example, given, settings, strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
@@ -789,6 +789,67 @@ def test_coalescing_changes_the_number_of_collectives_not_the_numbers(
                frozen=frozen, seed=seed)
     event(f"world size {ws}")
     pools(ws).run(bucketing_changes_calls_not_numbers, cfg, stage)
+
+
+def bucket_bytes_changes_calls_not_numbers(cfg: dict, stage: int, prefetch: bool, bf16: bool,
+                                           bucket: int, steps: int = 3):
+    """``bucket_bytes`` (stages 2-3) moves several units per collective. A coalesced gather
+    copies the same shards and a coalesced reduce-scatter adds each element's N values in the
+    same rank order, so: the same bits, the same bytes per op, no more collectives (strictly
+    fewer with an unbounded bucket and two buffers or more), and gathered parameters bounded
+    by a bucket (or the largest unit, if larger) where they were bounded by one unit."""
+    ws = dist.get_world_size()
+    base = make_model(cfg)
+    data = make_data(cfg, ws, steps)
+    mp = minishard.MixedPrecision(param_dtype=BF16) if bf16 else None
+    runs = {}
+    for b in (0, bucket):
+        model, _, losses, _, led = train_zero(base, cfg, stage, data, adam(), prefetch=prefetch,
+                                              mixed_precision=mp, bucket_bytes=b)
+        runs[b] = (model, torch.stack(losses), led)
+    (m0, l0, led0), (m1, l1, led1) = runs[0], runs[bucket]
+    assert torch.equal(l0, l1)
+    assert_equal_states(m0.full_state_dict(), m1.full_state_dict())
+    for op in ("all_gather", "reduce_scatter", "all_reduce"):
+        assert led1.total_bytes(op) == led0.total_bytes(op), f"{op}\n{led0.table()}\n{led1.table()}"
+        assert led1.count(op) <= led0.count(op), f"{op}\n{led0.table()}\n{led1.table()}"
+    gathered_units = sum(1 for u in m1.units if u.flats)
+    trainable = sum(f.requires_grad for u in m1.units for f in u.flats)
+    if bucket >= 2**40 and ws > 1:  # the buckets were used: fewer collectives
+        if stage == 3 and gathered_units >= 2:
+            assert led1.count("all_gather") < led0.count("all_gather"), \
+                f"{led0.table()}\n{led1.table()}"
+        if trainable >= 2:
+            assert led1.count("reduce_scatter") < led0.count("reduce_scatter"), \
+                f"{led0.table()}\n{led1.table()}"
+    if stage == 3 and cfg["units"] == "block":
+        root, largest = _unit_bytes(base, ws, 2 if bf16 else 4)
+        peak = m1.memory_report()["peak_gathered_params"]  # the last step's
+        # one unit gathered at a time becomes one bucket (or one unit, if larger) at a time;
+        # prefetch adds the next bucket while the last unit of the current one computes
+        bound = root + max(largest, bucket) + (largest if prefetch else 0)
+        assert peak <= bound, (peak, bound, root, largest)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@settings(max_examples=_examples(0.3))
+@given(ws=st.integers(1, 4), width=st.integers(3, 17),
+       hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
+       tie=st.sampled_from(["none", "stem_head", "across"]),
+       frozen=st.sampled_from(["none", "stem", "block"]), bf16=st.booleans(),
+       prefetch=st.booleans(), bucket=st.sampled_from([1, 200, 1000, 2**40]),
+       units=st.sampled_from(sorted(UNITS)), seed=st.integers(0, 2**16))
+@example(ws=2, width=5, hidden=7, blocks=4, batch=2, tie="none", frozen="none", bf16=False,
+         prefetch=False, bucket=200, units="block", seed=0)  # buckets of several small blocks
+@example(ws=3, width=4, hidden=6, blocks=3, batch=2, tie="stem_head", frozen="stem", bf16=True,
+         prefetch=True, bucket=2**40, units="block", seed=1)  # everything in one bucket
+def test_bucket_bytes_changes_the_number_of_collectives_not_the_numbers(
+        pools, ws, stage, width, hidden, blocks, batch, tie, frozen, bf16, prefetch, bucket,
+        units, seed):
+    cfg = dict(units=units, width=width, hidden=hidden, blocks=blocks, batch=batch, tie=tie,
+               frozen=frozen, seed=seed)
+    event(f"world size {ws}")
+    pools(ws).run(bucket_bytes_changes_calls_not_numbers, cfg, stage, prefetch, bf16, bucket)
 
 
 # ----------------------------------------------------------------------- 5. activation checkpoint

@@ -59,6 +59,10 @@ prefetch=True
     FSDP1      forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE
     FSDP2      on by default (one unit ahead); set_modules_to_forward_prefetch([...]) for more
     DeepSpeed  "overlap_comm": true, "stage3_prefetch_bucket_size": bytes
+bucket_bytes=4 * 2**20  (stages 2-3: several units per collective)
+    FSDP1      (none: one all-gather per FSDP unit; wrap coarser units)
+    FSDP2      fully_shard([block_a, block_b]): a list of modules is one communication group
+    DeepSpeed  "stage3_prefetch_bucket_size": bytes, "reduce_bucket_size": bytes
 with m.no_sync():
     FSDP1      with m.no_sync():
     FSDP2      m.set_requires_gradient_sync(False) ... m.set_requires_gradient_sync(True)
