@@ -12,7 +12,8 @@ ledger; for the stock systems the same ring formula applied to what they communi
     stage 0   vs torch DDP
     stage 1   vs DDP + ZeroRedundancyOptimizer
     stage 2   vs FSDP1 SHARD_GRAD_OP, FSDP2 reshard_after_forward=False
-    stage 3   vs FSDP1 FULL_SHARD, FSDP2 (default), and stage 3 with prefetch
+    stage 3   vs FSDP1 FULL_SHARD, FSDP2 (default), and stage 3 with prefetch (and with
+              prefetch and bucket_bytes=4 MiB: several units per collective)
     +debug    stage 3 with the MINISHARD_DEBUG collective-consistency check on, vs off
 
 "ms blocked" (minishard only) is the time a step spent waiting for collectives to finish (the

@@ -832,7 +832,7 @@ def bucket_bytes_changes_calls_not_numbers(cfg: dict, stage: int, prefetch: bool
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-@settings(max_examples=_examples(0.3))
+@settings(max_examples=_examples(0.2))
 @given(ws=st.integers(1, 4), width=st.integers(3, 17),
        hidden=st.integers(3, 17), blocks=st.integers(2, 4), batch=st.integers(2, 4),
        tie=st.sampled_from(["none", "stem_head", "across"]),
