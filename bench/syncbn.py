@@ -11,11 +11,12 @@ That latency is measured where the collectives run: "BatchNorm2d + its 2 collect
 BatchNorm2d with the same two all-reduces issued at the same points (after the forward, before the
 backward), and the latency is its time minus BatchNorm2d's. The same collectives issued back to
 back with no computation ("alone") are shown too: on 2 shared cores they measure 1.5-2x faster
-than right after a computation, so they would understate what any layer pays for them. Also the bytes each rank sends
-per layer per step, next to what stock torch.nn.SyncBatchNorm's design sends: it all-gathers
-every rank's (mean, invstd, count) in forward, (2C+1)·N values, and all-reduces 2C values in
-backward. minishard sends 2C+1 and 2C (fp64 statistics: see syncbn.py), here by direct exchange,
-(N-1)·S bytes each.
+than right after a computation, so they would understate what any layer pays for them.
+
+Also the bytes each rank sends per layer per step, next to what stock torch.nn.SyncBatchNorm's
+design sends: it all-gathers every rank's (mean, invstd, count) in forward, (2C+1)·N values, and
+all-reduces 2C values in backward. minishard sends 2C+1 and 2C (fp64 statistics: see
+syncbn.py), here by direct exchange, (N-1)·S bytes each.
 """
 import argparse
 import statistics

@@ -87,7 +87,8 @@ class GPTBlock(nn.Module):
 
 
 class Group(nn.Sequential):
-    """``--blocks-per-unit K``: K consecutive blocks, wrapped (FSDP) and sharded (minishard) as one."""
+    """``--blocks-per-unit K``: K consecutive blocks, wrapped (FSDP) and sharded (minishard)
+    as one."""
 
 
 def build(kind: str, blocks_per_unit: int = 1):

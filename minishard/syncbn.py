@@ -219,9 +219,10 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
 
     # Pass 1's float64 error bound against one rounding unit of the local statistics (module
     # doc); every rank holds the same S, Q, n, so every rank takes the same branch.
-    bound = (3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64) / _unit_roundoff(t.dtype)
+    bound = ((3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64)
+             / _unit_roundoff(t.dtype))
     if bool((bound * Q > M2).any()):
-        d_r = (x0.double() - mean) + mean_t  # m_r - mean, digits kept (zeros on an empty rank)
+        d_r = (x0.double() - mean) + mean_t if n_r else mean_t  # m_r - mean, digits kept
         shifted = torch.cat([n_r * d_r, M2_r + n_r * d_r * d_r])
         _sum_over_group(shifted, group, f"{tag} forward{suffix} (second pass)")
         D, E = shifted[:C], shifted[C:]
