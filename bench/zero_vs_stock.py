@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
+from minishard import comm
 
 
 # ------------------------------------------------------------------------------------ models
@@ -202,7 +203,6 @@ _MATCHING_DESIGN = {"torch DDP": "minishard stage 0", "torch DDP+ZeRO-opt": "min
 
 def _cost(entry) -> float:
     """Seconds the alpha-beta model gives one collective, in its cheapest algorithm."""
-    from minishard import comm
     full = entry.numel * torch.empty((), dtype=entry.dtype).element_size()
     if entry.op == "all_reduce":
         return min(comm.all_reduce_cost(a, full, entry.group_size) for a in ("ring", "direct"))
@@ -212,11 +212,10 @@ def _cost(entry) -> float:
 def limit_ms(name: str, entries, floor: dict[str, float], world: int) -> float:
     """The bench docstring's limit, in ms, for minishard system ``name`` with the collectives
     ``entries`` of one step (in issue order) and the floor's median phase times (seconds)."""
-    sharded_opt = "stage 0" not in name
-    gathers_in_forward = "stage" in name and "stage 0" not in name
-    compute = floor["forward"] + floor["backward"] + floor["step"] / (world if sharded_opt else 1)
+    sharded = "stage 0" not in name  # sharded optimizer state, and parameters gathered in forward
+    compute = floor["forward"] + floor["backward"] + floor["step"] / (world if sharded else 1)
     comm_s = sum(_cost(e) for e in entries)
-    hide = floor["backward"] + (floor["forward"] if gathers_in_forward else 0.0)
+    hide = floor["backward"] + (floor["forward"] if sharded else 0.0)
     reductions = [e for e in entries if e.op in ("all_reduce", "reduce_scatter")]
     tail = _cost(reductions[-1]) if reductions else 0.0
     if "stage 3" in name:
@@ -253,7 +252,6 @@ def main() -> None:
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(4)]
     times = {name: [] for name in table}
-    blocked = {name: [] for name in table}  # minishard only: ms waiting on collectives
     phases = {name: [] for name in table}
     sent, entries = {}, {}
     for i in range(args.warmup + args.steps):
@@ -261,14 +259,13 @@ def main() -> None:
             x = batches[i % len(batches)]
             dist.barrier()
             t0 = time.perf_counter()
-            minishard.comm.set_debug(name.endswith("+debug"))  # MINISHARD_DEBUG's cost
+            comm.set_debug(name.endswith("+debug"))  # MINISHARD_DEBUG's cost
             with minishard.ledger() as led:
                 phase = step(model, opt, x)
             dt = time.perf_counter() - t0
-            minishard.comm.set_debug(False)
+            comm.set_debug(False)
             if i >= args.warmup:
                 times[name].append(dt)
-                blocked[name].append(led.blocked_s)
                 phases[name].append(phase)
                 sent[name], entries[name] = float(led.total_bytes()), led.entries
     if args.only:  # one system in a fresh process: the memory it holds is its own
@@ -290,7 +287,9 @@ def main() -> None:
     say(f"{'system':<36}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
         f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}")
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
-    waited = {name: statistics.median(ts) * 1000 for name, ts in blocked.items()}
+    blocked = ("blocked forward", "blocked backward", "blocked step")  # minishard only
+    waited = {name: statistics.median(sum(p[k] for k in blocked) for p in rows) * 1000
+              for name, rows in phases.items()}
     phase_med = {name: {k: statistics.median(p[k] for p in rows) for k in rows[0]}
                  for name, rows in phases.items()}
     limits = {name: limit_ms(name, entries[name], phase_med["floor"], world)

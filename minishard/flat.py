@@ -162,6 +162,11 @@ class FlatBuffer:
         """True when the shard changed (an optimizer step) since ``full`` was last gathered."""
         return self.shard is not self.full and self.shard._version != self._gathered_version
 
+    @property
+    def needs_gather(self) -> bool:
+        """``full`` is freed, or older than the shard: a gather must refresh it."""
+        return not self.is_gathered or self.is_stale
+
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into ``full`` (allocating it if it was freed)."""
         if self.mode == "none" and self.param_dtype == self.dtype:

@@ -592,7 +592,7 @@ class ZeRO(nn.Module):
         that direction) and are not gathered join its collective, up to about bucket_bytes in
         all: one collective for several small units. Each still frees its own parameters after
         it has run, so a bucket's memory drains unit by unit."""
-        missing = lambda u: [f for f in u.flats if not f.is_gathered or f.is_stale]
+        missing = lambda u: [f for f in u.flats if f.needs_gather]
         if not (self.bucket_bytes and self.policy.free_after_forward and self._order_recorded
                 and unit in self._order and missing(unit)):
             self._gather(unit, async_op)
@@ -623,7 +623,7 @@ class ZeRO(nn.Module):
             self._gather_flat(unit, flat, async_op)
 
     def _gather_flat(self, unit: Unit, flat: FlatBuffer, async_op: bool = False) -> None:
-        if not flat.is_gathered or flat.is_stale:
+        if flat.needs_gather:
             flat.gather(async_op)
             self._note_gathered()
             self._log("gather", unit)
