@@ -4,7 +4,7 @@
 
 Prints the median forward+backward time of one layer (plain BatchNorm2d: no communication;
 minishard.SyncBatchNorm: one all-reduce each way), the latency of the same two collectives
-(comm picks their algorithm: on gloo a direct exchange), all interleaved step by step, and the
+(comm picks their algorithm: on gloo the fewest messages), all interleaved step by step, and the
 target: SyncBatchNorm <= 2 x BatchNorm2d + the latency of its collectives.
 
 That latency is measured where the collectives run: "BatchNorm2d + its 2 collectives" is plain
@@ -16,7 +16,7 @@ than right after a computation, so they would understate what any layer pays for
 Also the bytes each rank sends per layer per step, next to what stock torch.nn.SyncBatchNorm's
 design sends: it all-gathers every rank's (mean, invstd, count) in forward, (2C+1)·N values, and
 all-reduces 2C values in backward. minishard sends 2C+1 and 2C (fp64 statistics: see
-syncbn.py), here by direct exchange, (N-1)·S bytes each.
+syncbn.py): (N-1)·S bytes each by direct exchange, log2 N·S by recursive doubling.
 """
 import argparse
 import statistics

@@ -21,13 +21,13 @@ ledger's ``blocked_s``): the communication NOT hidden behind computation. Prefet
 how much of it disappears.
 
 "limit" is what this machine allows for the system's communication pattern, by the alpha-beta
-model of comm.py (ALPHA per round, BETA per byte sent, measured by bench/alpha_beta.py)::
+model of comm.py (ALPHA per message, BETA per byte sent, measured by bench/alpha_beta.py)::
 
     compute = floor's forward + backward + optimizer step (times 1/N when the optimizer
               state is sharded: stages 1-3, ZeroRedundancyOptimizer, FSDP)
-    comm    = sum over the step's collectives of (rounds * ALPHA + bytes sent * BETA), each
-              in its cheapest algorithm (all_reduce: ring or direct; all_gather and
-              reduce_scatter: one exchange round)
+    comm    = sum over the step's collectives of (messages * ALPHA + bytes sent * BETA),
+              each in its cheapest algorithm (all_reduce: ring, direct or doubling;
+              all_gather and reduce_scatter: an exchange, N-1 messages of S/N bytes)
     hide    = the computation those collectives can run under: the backward for reductions,
               plus the forward for systems that gather parameters in it (stage 3, and the
               re-gathers of stages 1-2)
@@ -204,9 +204,10 @@ _MATCHING_DESIGN = {"torch DDP": "minishard stage 0", "torch DDP+ZeRO-opt": "min
 def _cost(entry) -> float:
     """Seconds the alpha-beta model gives one collective, in its cheapest algorithm."""
     full = entry.numel * torch.empty((), dtype=entry.dtype).element_size()
+    n = entry.group_size
     if entry.op == "all_reduce":
-        return min(comm.all_reduce_cost(a, full, entry.group_size) for a in ("ring", "direct"))
-    return comm.ALPHA + float(comm.ring_bytes(entry.op, full, entry.group_size)) * comm.BETA
+        return min(comm.all_reduce_cost(a, full, n) for a in comm.all_reduce_algorithms(n))
+    return (n - 1) * comm.ALPHA + float(comm.ring_bytes(entry.op, full, n)) * comm.BETA
 
 
 def limit_ms(name: str, entries, floor: dict[str, float], world: int) -> float:

@@ -25,19 +25,26 @@ Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` 
       in       [a0 a1 a2][b0 b1 b2][c0..]  ->  [Σ0]   [Σ1]   [Σ2]  ->  [Σ0 Σ1 Σ2] everywhere
                             reduce_scatter              all_gather
 
-Latency: for a tiny tensor the bytes hardly matter and the ring's 2(N-1) rounds do. The alpha-beta
-model prices one collective as ``rounds * ALPHA + bytes sent * BETA``::
+Latency: for a tiny tensor the bytes hardly matter and the number of messages does. The
+alpha-beta model (Hockney's; Thakur, Rabenseifner & Gropp 2005 for these algorithms) prices a
+collective by what one rank sends::
 
-    ring all_reduce     2(N-1) rounds    2(N-1)/N * S bytes sent per rank
-    direct exchange     1 round          (N-1) * S    (its whole tensor to every other rank)
+    time = messages * ALPHA + bytes * BETA      ALPHA: the fixed cost of one message
+                                                BETA:  the cost of one byte
+                         messages    bytes sent per rank
+    ring all_reduce      2(N-1)      2(N-1)/N * S
+    direct exchange      N-1         (N-1) * S    (its whole tensor to every other rank)
+    recursive doubling   log2 N      log2 N * S   (N a power of two; at N = 2 it IS the exchange)
 
-    direct is cheaper while  (2N-3) * ALPHA  >  (N-1)(N-2)/N * S * BETA
-    i.e. below S* = (2N-3) N / ((N-1)(N-2)) * ALPHA/BETA   (N = 2: always; same bytes, 1 round less)
+For small S the fewest messages win: doubling where N is a power of two, else the exchange. The
+ring wins once its saving in bytes outweighs its extra messages; at N = 4, against doubling,
+above S* = 8 ALPHA/BETA (4 messages more, S/2 bytes fewer). The ring's bytes per rank stay below
+2S whatever N, which is why ZeRO's MiB-sized buckets use it.
 
-``all_reduce(..., algorithm="auto")`` picks the cheaper one with ALPHA and BETA measured on this
-machine (``bench/alpha_beta.py``); the ledger then records the algorithm that ran and the bytes it
-really sends. The default stays the backend's own ring: callers whose byte counts are a contract
-(ZeRO's per-step formulas) keep them; SyncBatchNorm's few statistics ask for "auto".
+``all_reduce(..., algorithm="auto")`` picks the cheapest with ALPHA and BETA measured on this
+machine (``bench/alpha_beta.py``); the ledger then records the algorithm that ran and the
+bytes it really sends. The default stays the backend's own ring: callers whose byte counts are a
+contract (ZeRO's per-step formulas) keep them; SyncBatchNorm's few statistics ask for "auto".
 
 Each function takes ``group`` (``None`` = the default process group) and ``async_op``. With
 ``async_op=True`` it returns a :class:`Handle`; call ``.wait()`` before reading the result.
@@ -57,8 +64,8 @@ import torch.distributed as dist
 
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
-    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "direct_bytes",
-    "all_reduce_cost", "pick_all_reduce", "set_debug", "CollectiveMismatch", "group_ranks",
+    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
+    "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug", "CollectiveMismatch", "group_ranks",
     "group_dim",
 ]
 
@@ -77,7 +84,7 @@ class Entry:
     group_size: int
     bytes_sent: Fraction  # what `algorithm` sends from this rank; a Fraction so sums stay exact
     tag: str = ""        # who asked: a SyncBN layer, a ZeRO unit, ...
-    algorithm: str = "ring"  # what ran: "ring" (the cost model above) or "direct" (an exchange)
+    algorithm: str = "ring"  # what ran: "ring" (the cost model above), "direct" or "doubling"
     ranks: tuple[int, ...] = ()  # the group's GLOBAL ranks, in group order
     dim: str = ""        # the DeviceMesh dimension of that group ("shard", "replicate"), if any
 
@@ -160,9 +167,18 @@ def ledger() -> Iterator[Ledger]:
         _open_ledgers.remove(led)
 
 
-def direct_bytes(full_bytes: int, group_size: int) -> Fraction:
-    """Bytes one rank sends in a direct-exchange all_reduce: its whole tensor to each other rank."""
-    return Fraction((group_size - 1) * full_bytes)
+def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[int, Fraction]:
+    """``(messages sent, bytes sent)`` by one rank in an all_reduce of ``full_bytes`` bytes by
+    ``algorithm`` (the table in the module doc)."""
+    n = group_size
+    if n == 1:
+        return 0, Fraction(0)
+    if algorithm == "direct":
+        return n - 1, Fraction((n - 1) * full_bytes)
+    if algorithm == "doubling":
+        steps = n.bit_length() - 1
+        return steps, Fraction(steps * full_bytes)
+    return 2 * (n - 1), ring_bytes("all_reduce", full_bytes, n)
 
 
 def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
@@ -170,7 +186,8 @@ def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
     if not _open_ledgers:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
-    sent = direct_bytes(full_bytes, n) if algorithm == "direct" else ring_bytes(op, full_bytes, n)
+    sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
+            else all_reduce_terms(algorithm, full_bytes, n)[1])
     entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm,
                   ranks=group_ranks(group), dim=group_dim(group))
     for led in _open_ledgers:
@@ -287,15 +304,20 @@ class Handle:
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
         if self._works:
-            start = time.perf_counter()
-            for work in self._works:
-                work.wait()
+            _wait_all(self._works)
             self._works = []
-            for led in _open_ledgers:
-                led.blocked_s += time.perf_counter() - start
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+
+def _wait_all(works) -> None:
+    """Wait for every work; the time spent blocked goes to every open ledger."""
+    start = time.perf_counter()
+    for work in works:
+        work.wait()
+    for led in _open_ledgers:
+        led.blocked_s += time.perf_counter() - start
 
 
 def _finish(work, async_op: bool, then=None):
@@ -311,31 +333,34 @@ def _finish(work, async_op: bool, then=None):
 # -------------------------------------------------------------------- the alpha-beta model
 # Measured on this machine (2-core CI kind, gloo over loopback, one thread per rank) by
 #     python bench/alpha_beta.py
-# which times both all_reduce algorithms at 2 and 4 ranks over 8 B - 4 MiB and fits
-# time = c + rounds * ALPHA + bytes sent * BETA by least squares (c, the per-call overhead,
-# is the same for both algorithms and cancels in the choice). See bench/RESULTS.md.
-ALPHA = 368e-6        # seconds per round (one message's latency, ranks sharing 2 busy cores)
-BETA = 1.8e-9         # seconds per byte sent by one rank (0.52 GiB/s)
-# Crossover: direct below S* = 666 KiB at 4 ranks, 899 KiB at 3; always at 2.
+# which times the all_reduce algorithms at 2 and 4 ranks over 8 B - 4 MiB and fits
+# time = c + messages * ALPHA + bytes sent * BETA by least squares (c, the per-call overhead, is
+# the same for every algorithm and cancels in the choice). See bench/RESULTS.md.
+ALPHA = 360e-6        # seconds per message (ranks sharing 2 busy cores: mostly scheduling)
+BETA = 1.3e-9         # seconds per byte sent by one rank (0.72 GiB/s)
 
 
 def all_reduce_cost(algorithm: str, full_bytes: int, group_size: int) -> float:
     """Seconds the alpha-beta model predicts for an all_reduce of ``full_bytes`` bytes."""
+    messages, sent = all_reduce_terms(algorithm, full_bytes, group_size)
+    return messages * ALPHA + float(sent) * BETA
+
+
+def all_reduce_algorithms(group_size: int) -> list[str]:
+    """The algorithms that can run on ``group_size`` ranks (doubling pairs ranks up: it needs a
+    power of two, and at 2 ranks it is the direct exchange)."""
     n = group_size
-    if n == 1:
-        return 0.0
-    if algorithm == "direct":
-        return ALPHA + float(direct_bytes(full_bytes, n)) * BETA
-    return 2 * (n - 1) * ALPHA + float(ring_bytes("all_reduce", full_bytes, n)) * BETA
+    return ["direct", "ring"] + (["doubling"] if n > 2 and n & (n - 1) == 0 else [])
 
 
 def pick_all_reduce(full_bytes: int, group_size: int, backend: str) -> str:
-    """"direct" where the model says one round of whole tensors beats the ring, else "ring".
-    Only on gloo: ALPHA and BETA were measured there (NCCL has its own low-latency algorithms)."""
+    """The algorithm the model says is cheapest (ties: the first of ``all_reduce_algorithms``).
+    Only on gloo: the constants were measured there (NCCL has its own low-latency
+    algorithms)."""
     if backend != "gloo" or group_size < 2:
         return "ring"
-    direct = all_reduce_cost("direct", full_bytes, group_size)
-    return "direct" if direct < all_reduce_cost("ring", full_bytes, group_size) else "ring"
+    return min(all_reduce_algorithms(group_size),
+               key=lambda a: all_reduce_cost(a, full_bytes, group_size))
 
 
 # -------------------------------------------------------------------------------- collectives
@@ -351,19 +376,25 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     model, see the module doc). Every rank must pass the same ``algorithm``; "auto" decides from
     the size, the group and the backend, which every rank shares.
     """
-    if algorithm not in ("ring", "direct", "auto"):
-        raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct' or 'auto', got "
-                         f"{algorithm!r}")
+    if algorithm not in ("ring", "direct", "doubling", "auto"):
+        raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct', 'doubling' or 'auto', "
+                         f"got {algorithm!r}")
     n = group_size(group)
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
-    if algorithm == "direct" and not tensor.is_contiguous():
+    if algorithm == "doubling" and n & (n - 1):
+        raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
+                         "ranks; use 'direct', 'ring' or 'auto'")
+    if algorithm != "ring" and not tensor.is_contiguous():
         algorithm = "ring"  # point-to-point sends need one dense block
     _before("all_reduce", tensor, tensor.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(tensor, op, group, n)
         return _finish(works, async_op, total)
+    if algorithm == "doubling" and n > 1:
+        works, rest = _all_reduce_by_doubling(tensor, op, group, n)
+        return _finish(works, async_op, rest)
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
@@ -391,16 +422,51 @@ def _all_reduce_by_exchange(tensor, op, group, n):
         works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=_ALL_REDUCE_TAG))
 
     def total() -> None:  # runs after every send finished: the own tensor may change now
-        acc = parts[0].clone()
-        for part in parts[1:]:
-            if op == "max":
-                torch.maximum(acc, part, out=acc)
-            else:
-                acc.add_(part)
+        # Accumulate in recv[0], which holds part[0] or part[1]: no buffer beyond recv.
+        combine = torch.maximum if op == "max" else torch.add
+        acc = combine(parts[0], parts[1], out=recv[0])
+        for part in parts[2:]:
+            combine(acc, part, out=acc)
         if op == "avg":
             acc.div_(n)
         flat.copy_(acc)
     return works, total
+
+
+def _all_reduce_by_doubling(tensor, op, group, n):
+    """log2 N rounds (N a power of two). In round k rank r swaps its running total with rank
+    r XOR 2^k and adds what it received::
+
+        N = 4:   round 0  (0<->1) (2<->3)     t0 = t1 = a0+a1       t2 = t3 = a2+a3
+                 round 1  (0<->2) (1<->3)     every t = (a0+a1) + (a2+a3)
+
+    Every rank gets the same bits: IEEE addition is commutative (x+y == y+x exactly), so two
+    partners that swap X and Y both hold X+Y; and by induction every rank of a block of 2^k
+    ranks holds the same X before round k. Sends log2 N * S bytes in log2 N messages, against the
+    direct exchange's (N-1) * S in N-1; but in log2 N rounds against 1, and each round needs the
+    previous one's sum: only round 0 is in flight on return, the others run inside ``wait()``."""
+    r, flat = group_rank(group), tensor.view(-1)
+    recv = torch.empty_like(flat)
+
+    def swap(k: int) -> list:
+        peer = _global(group, r ^ (1 << k))
+        return [dist.isend(flat, peer, group=group, tag=_DOUBLING_TAG),
+                dist.irecv(recv, peer, group=group, tag=_DOUBLING_TAG)]
+
+    def add() -> None:  # runs after the round's send finished: flat may change now
+        if op == "max":
+            torch.maximum(flat, recv, out=flat)
+        else:
+            flat.add_(recv)
+
+    def rest() -> None:
+        add()
+        for k in range(1, n.bit_length() - 1):
+            _wait_all(swap(k))
+            add()
+        if op == "avg":
+            flat.div_(n)
+    return swap(0), rest
 
 
 @torch.no_grad()
@@ -504,6 +570,7 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
 _EXCHANGE_TAG = 0x6D73  # "ms"
 _ALL_REDUCE_TAG = _EXCHANGE_TAG + 1  # the direct all_reduce: its own tag, so never mixed with it
 _GATHER_TAG = _EXCHANGE_TAG + 2      # the all_gather exchange: its own tag too
+_DOUBLING_TAG = _EXCHANGE_TAG + 3    # recursive doubling
 
 
 def _global(group, rank: int) -> int:

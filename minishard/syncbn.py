@@ -96,8 +96,9 @@ samples, exactly as stock: DDP (or the ZeRO engine) averages parameter gradients
 afterwards, and summing them here too would count them twice.
 
 Latency: every collective here is a few KiB, so comm picks its algorithm by the alpha-beta model
-(``algorithm="auto"``): on gloo a direct exchange, one round instead of the ring's 2(N-1), summed
-in rank order so every rank gets the same bits.
+(``algorithm="auto"``): on gloo the one with the fewest messages, recursive doubling (log2 N) when
+N is a power of two, else a direct exchange (N-1), instead of the ring's 2(N-1). Both give every
+rank the same bits.
 
 Rules every rank relies on
 --------------------------

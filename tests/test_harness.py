@@ -58,6 +58,66 @@ def collectives_match_torch(numel_per_rank: int, dtype_name: str, seed: int):
     return float(led.total_bytes())
 
 
+def every_all_reduce_algorithm(numel: int, dtype_name: str, op: str, seed: int):
+    """Each all_reduce algorithm that runs at this world size, on the whole world and on the
+    group of global ranks 1..N-1, against the float64 reduction of every rank's data: the same
+    bits on every rank (SyncBatchNorm relies on it), the result within rounding, and the ledger
+    charging what that algorithm sends by the textbook (Thakur, Rabenseifner & Gropp 2005)."""
+    dtype = DTYPES[dtype_name]
+    n, r = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(seed)
+    data = [torch.randn(numel, generator=gen).to(dtype) for _ in range(n)]
+    members = tuple(range(1, n))
+    if n > 1 and members not in _groups:  # collective over ALL ranks
+        _groups[members] = dist.new_group(list(members))
+    out = {}
+    for group, ranks in [(None, tuple(range(n)))] + ([(_groups[members], members)] if n > 1 else []):
+        if r not in ranks:
+            continue
+        m, S = len(ranks), numel * torch.empty((), dtype=dtype).element_size()
+        stacked = torch.stack([data[q].double() for q in ranks])
+        want = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.max(0).values}[op]
+        sent = {"ring": Fraction(2 * (m - 1) * S, m), "direct": Fraction((m - 1) * S)}
+        if m > 1 and m & (m - 1) == 0:  # at 2 ranks the same message as the exchange
+            sent["doubling"] = Fraction(S * (m.bit_length() - 1))
+        elif m > 1:  # doubling needs a power of two: refused, before any message
+            with pytest.raises(ValueError, match="power-of-two"):
+                comm.all_reduce(data[r].clone(), op, group, algorithm="doubling")
+        for algorithm in [*sent, "auto"]:
+            x = data[r].clone()
+            with comm.ledger() as led:
+                comm.all_reduce(x, op, group, async_op=True, algorithm=algorithm).wait()
+            (e,) = led.entries
+            ran = e.algorithm if m > 1 else "ring"
+            assert algorithm == "auto" or ran == algorithm or m == 1, (algorithm, e)
+            assert e.bytes_sent == (sent[ran] if m > 1 else 0), (algorithm, e)
+            tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else {}
+            torch.testing.assert_close(x.double(), want, **tol)
+            out[(ranks, algorithm)] = (x, ran)
+    return out
+
+
+def test_every_all_reduce_algorithm_gives_every_rank_the_same_bits(pools):
+    """And "auto" on a tiny tensor (messages dominate: a positive ALPHA is all it takes) sends
+    the fewest messages: doubling at 4 ranks, the direct exchange at 2 and 3."""
+    for ws in (1, 2, 3, 4):
+        per_rank = pools(ws).run(every_all_reduce_algorithm, 5, "float32", "sum", ws)
+        for key, (x, ran) in per_rank[-1].items():
+            holders = [res[key][0] for res in per_rank if key in res]
+            assert all(torch.equal(h, x) for h in holders), key
+            ranks, algorithm = key
+            if algorithm == "auto" and len(ranks) > 1:
+                assert ran == ("doubling" if len(ranks) == 4 else "direct"), key
+
+
+@given(ws=st.integers(1, 4), numel=st.integers(1, 40), dtype=st.sampled_from(sorted(DTYPES)),
+       op=st.sampled_from(["sum", "avg", "max"]), seed=st.integers(0, 2**16))
+def test_all_reduce_algorithms_match_the_float64_reduction(pools, ws, numel, dtype, op, seed):
+    per_rank = pools(ws).run(every_all_reduce_algorithm, numel, dtype, op, seed)
+    for key, (x, _) in per_rank[-1].items():
+        assert all(torch.equal(res[key][0], x) for res in per_rank if key in res), key
+
+
 _groups: dict = {}
 
 

@@ -190,42 +190,49 @@ def main(rank: int, world: int) -> None:
     # The bytes per rank hardly grow with N: 2(N-1)/N * S is S at N=2 and tends to 2S. Adding
     # ranks costs latency (2(N-1) steps), not bandwidth per rank.
     # ------------------------------------------------------- 7. latency: the alpha-beta model
-    # Bytes are not the whole cost. Every round of messages pays a fixed latency ALPHA (the call,
-    # the wake-up of the peer, the loopback), every byte sent BETA:  time = rounds*ALPHA +
-    # bytes*BETA. The ring sends the fewest bytes, 2(N-1)/N * S, but in 2(N-1) rounds. A direct
+    # Bytes are not the whole cost. Every message pays a fixed latency ALPHA (the call, the
+    # wake-up of the peer, the loopback), every byte sent BETA:  time = messages*ALPHA +
+    # bytes*BETA. The ring sends the fewest bytes, 2(N-1)/N * S, but in 2(N-1) messages. A direct
     # exchange (every rank sends its whole tensor to every other, then each adds the N tensors in
-    # rank order) takes ONE round and sends (N-1) * S. For a tensor of a few KiB (SyncBatchNorm's
-    # statistics) latency is everything, so the exchange wins; for MiBs (ZeRO's buckets) the ring.
-    # ALPHA and BETA were measured on this machine (python bench/alpha_beta.py, see comm.py).
+    # rank order) sends N-1 messages of S bytes. Recursive doubling (N a power of two: swap the
+    # running sum with rank r XOR 1, then r XOR 2, ...) sends log2 N messages of S bytes. For a
+    # tensor of a few KiB (SyncBatchNorm's statistics) the messages are everything, so the fewest
+    # win; for MiBs (ZeRO's buckets) the ring. ALPHA and BETA were measured on this machine
+    # (python bench/alpha_beta.py, see comm.py).
     alpha, beta = comm.ALPHA, comm.BETA
-    crossover = (None if world < 3 else
-                 (2 * world - 3) * world / ((world - 1) * (world - 2)) * alpha / beta)
     small = torch.full((129,), float(rank), dtype=torch.float64)  # 2C+1 statistics, C = 64
     with minishard.ledger() as led:
         comm.all_reduce(small, algorithm="auto", tag="demo: small")
     (entry,) = led.entries
     nbytes = small.numel() * 8
-    assert entry.algorithm == ("direct" if world > 1 else "ring"), entry
-    assert entry.bytes_sent == (world - 1) * nbytes     # what the exchange really sends
+    doubling = world > 2 and world & (world - 1) == 0  # a power of two (at 2: the exchange)
+    fewest = "ring" if world == 1 else "doubling" if doubling else "direct"
+    messages = {"ring": 2 * (world - 1), "direct": world - 1, "doubling": world.bit_length() - 1}
+    assert entry.algorithm == fewest, entry
+    # what it really sends: each of its messages carries the whole tensor
+    assert entry.bytes_sent == (0 if world == 1 else messages[fewest] * nbytes)
     assert torch.equal(small, torch.full((129,), world * (world - 1) / 2, dtype=torch.float64))
-    ring_cost = comm.all_reduce_cost("ring", nbytes, world)
-    direct_cost = comm.all_reduce_cost("direct", nbytes, world)
-    say(f"7. Latency. Measured here: ALPHA = {1e6 * alpha:.0f} us per round, BETA = "
+    say(f"7. Latency. Measured here: ALPHA = {1e6 * alpha:.0f} us per message, BETA = "
         f"{1e9 * beta:.2f} ns per byte.")
-    say(f"   {nbytes} bytes on {world} ranks: ring {2 * (world - 1)} rounds = "
-        f"{1e6 * ring_cost:.0f} us, direct exchange 1 round = {1e6 * direct_cost:.0f} us:")
+    say(f"   {nbytes} bytes on {world} ranks, by the model: " + ", ".join(
+        f"{a} {messages[a]} messages = {1e6 * comm.all_reduce_cost(a, nbytes, world):.0f} us"
+        for a in comm.all_reduce_algorithms(world)))
     say(f"   comm.all_reduce(algorithm='auto') ran '{entry.algorithm}', sending "
         f"{float(entry.bytes_sent):g} bytes (the ledger records what it ran; asserted).")
-    if crossover is None:
-        say("   With 2 ranks both send S bytes and the exchange saves a round: it always wins.")
-    else:
+    if world > 2:  # at 2 ranks the exchange sends S once, like the ring: it always wins
+        # Against the fewest-messages algorithm the ring saves bytes: it wins above the size
+        # where its extra messages cost less than the bytes it saves.
+        extra, copies = messages["ring"] - messages[fewest], messages[fewest]
+        crossover = extra * alpha / ((copies - 2 * (world - 1) / world) * beta)
         big = torch.ones(int(2 * crossover) // 4 + 1)      # twice the crossover: the ring wins
         with minishard.ledger() as led:
             comm.all_reduce(big, algorithm="auto", tag="demo: big")
         assert led.entries[0].algorithm == "ring"
-        say(f"   The exchange is cheaper below S* = (2N-3)N/((N-1)(N-2)) x ALPHA/BETA = "
-            f"{crossover / 1024:.0f} KiB; a {big.numel() * 4 / 1024:.0f} KiB tensor gets the ring "
+        say(f"   The ring wins above S* = {extra} x ALPHA / (({copies} - 2(N-1)/N) x BETA)"
+            f" = {crossover / 1024:.0f} KiB; a {big.numel() * 4 / 1024:.0f} KiB tensor gets it "
             "(asserted).")
+    elif world == 2:
+        say("   With 2 ranks both send S bytes and the exchange saves a message: it always wins.")
     say("\nAll assertions held.")
 
 
