@@ -70,9 +70,12 @@ compute dtype, u_in = u, and the test can never pass ((3N+5)·Q > M2): float64 i
 twice. Float32 and half-precision inputs pass once unless |mean|/std exceeds about 5e3-8e3.
 What is left is the error of the local statistics themselves, that of a single process.
 
-Elementwise work runs in the compute dtype, on t: y = t·scale + (b - (mean - x0)·scale), with
-the per-channel constants formed in float64 and rounded once, so the mean is never rounded to the
-compute dtype (let alone to a half-precision input's) before it is subtracted. The output is in
+Elementwise work runs in the compute dtype, on t: y = t·scale + (b - c0·scale), c0 = mean - x0,
+with the per-channel constants formed in float64 and rounded once, so the mean is never rounded to
+the compute dtype (let alone to a half-precision input's) before it is subtracted. Nor to float64:
+after the second pass, c0 = (mean - x0) + D/n, not (mean + D/n) - x0, whose rounding of a number of
+the mean's size would cost u·|mean| (for a float64 input with mean 1e6: 1e-10, ten times torch's
+own error). The output is in
 the input's dtype. The forward makes ONE tensor of the input's size (t, in which y is built; for
 half inputs its float32 copy plus the output): no float64 tensor of the input's size, only O(C)
 float64 values.
@@ -193,8 +196,9 @@ def _local_shift(xa: torch.Tensor) -> torch.Tensor:
 
 
 def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: str):
-    """(n, mean, M2) of the whole group's batch, per channel, float64: the two passes of the
-    module doc. ``t`` is this rank's x - x0. One all_reduce unless the pass-1 sums cancel."""
+    """(n, mean, M2, c0) of the whole group's batch, per channel, float64: the two passes of the
+    module doc, and c0 = mean - x0 for this rank's x0, formed without rounding the mean first.
+    ``t`` is this rank's x - x0. One all_reduce unless the pass-1 sums cancel."""
     C = t.shape[1]
     n_r = t.numel() // C
     if n_r:  # t is small: Σt² - n·mean(t)² has nothing left to cancel (module doc)
@@ -217,6 +221,7 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
             "call .eval() to normalise with the running statistics.")
     mean = S / n
     M2 = Q - S * mean
+    c0 = mean - x0.double() if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
 
     # Pass 1's float64 error bound against one rounding unit of the local statistics (module
     # doc); every rank holds the same S, Q, n, so every rank takes the same branch.
@@ -227,9 +232,13 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
         shifted = torch.cat([n_r * d_r, M2_r + n_r * d_r * d_r])
         _sum_over_group(shifted, group, f"{tag} forward{suffix} (second pass)")
         D, E = shifted[:C], shifted[C:]
+        # mean + D/n, rounded, would err by u·|mean|; c0 adds D/n to (mean - x0) instead,
+        # which is exact when mean and x0 are within a factor 2 (Sterbenz): what is left is
+        # the rounding of a number of the spread's size.
+        c0 = c0 + D / n
         mean = mean + D / n
         M2 = E - D * D / n
-    return n, mean, M2
+    return n, mean, M2, c0
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -246,7 +255,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         xa = x if x.dtype == dtype else x.to(dtype)
         x0 = _local_shift(xa)
         t = xa - x0.view(shape) if xa is x else xa.sub_(x0.view(shape))
-        n, mean, M2 = _global_stats(t, x0, group, tag, suffix)
+        n, mean, M2, c0 = _global_stats(t, x0, group, tag, suffix)
         var = (M2 / n).clamp_min(0)  # clamp: rounding may leave a tiny negative
         invstd = torch.rsqrt(var + eps)
 
@@ -255,11 +264,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
             running_mean.mul_(1 - m).add_(m * mean.to(running_mean.dtype))
             running_var.mul_(1 - m).add_(m * (var * (n / (n - 1))).to(running_var.dtype))
 
-        # y = (x - mean)·scale + b = t·scale + (b - (mean - x0)·scale): the large common part x0
-        # is already gone from t, and mean - x0 is small and formed in float64, so the mean is
-        # never rounded to the compute dtype (let alone to a half-precision input's).
+        # y = (x - mean)·scale + b = t·scale + (b - c0·scale), c0 = mean - x0: the large common
+        # part x0 is already gone from t, and c0 is small and formed in float64 without the
+        # mean's own rounding, so the mean is never rounded before it is subtracted.
         scale = invstd if weight is None else invstd * weight.double()
-        c0 = mean - x0.double() if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
         shift = -c0 * scale if bias is None else bias.double() - c0 * scale
         s_b = _per_channel(dtype, shape, scale, shift)
         y = t.mul_(s_b[0]).add_(s_b[1])
