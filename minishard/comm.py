@@ -65,8 +65,8 @@ import torch.distributed as dist
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
-    "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug", "CollectiveMismatch", "group_ranks",
-    "group_dim",
+    "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
+    "CollectiveMismatch", "group_ranks", "group_dim",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.

@@ -71,7 +71,8 @@ def every_all_reduce_algorithm(numel: int, dtype_name: str, op: str, seed: int):
     if n > 1 and members not in _groups:  # collective over ALL ranks
         _groups[members] = dist.new_group(list(members))
     out = {}
-    for group, ranks in [(None, tuple(range(n)))] + ([(_groups[members], members)] if n > 1 else []):
+    groups = [(None, tuple(range(n)))] + ([(_groups[members], members)] if n > 1 else [])
+    for group, ranks in groups:
         if r not in ranks:
             continue
         m, S = len(ranks), numel * torch.empty((), dtype=dtype).element_size()

@@ -660,7 +660,7 @@ def precision_vs_torch(case, sizes, spatial, C, seed):
 @example(ws=3, sizes=[5, 0, 2, 0], spatial=[3], C=2, case="fp16-mean100", seed=2)
 @example(ws=3, sizes=[1, 4, 2, 0], spatial=[2, 2], C=3, case="fp32-mean1e5", seed=3)
 @example(ws=3, sizes=[3, 3, 0, 0], spatial=[4], C=2, case="fp64-mean1e6", seed=4)
-@example(ws=2, sizes=[0, 3, 0, 0], spatial=[2], C=1, case="fp64-mean1e6", seed=27)  # mean + D/n rounded
+@example(ws=2, sizes=[0, 3, 0, 0], spatial=[2], C=1, case="fp64-mean1e6", seed=27)  # c0's rounding
 @example(ws=4, sizes=[0, 2, 0, 5], spatial=[4], C=2, case="fp64-mean1e8", seed=5)
 @example(ws=1, sizes=[6, 0, 0, 0], spatial=[4], C=2, case="fp64-mean1e8", seed=6)
 @example(ws=2, sizes=[6, 0, 0, 0], spatial=[2], C=2, case="bf16-mean100", seed=7)
