@@ -73,12 +73,11 @@ What is left is the error of the local statistics themselves, that of a single p
 Elementwise work runs in the compute dtype, on t: y = t·scale + (b - c0·scale), c0 = mean - x0,
 with the per-channel constants formed in float64 and rounded once, so the mean is never rounded to
 the compute dtype (let alone to a half-precision input's) before it is subtracted. Nor to float64:
-after the second pass, c0 = (mean - x0) + D/n, not (mean + D/n) - x0, whose rounding of a number of
-the mean's size would cost u·|mean| (for a float64 input with mean 1e6: 1e-10, ten times torch's
-own error). The output is in
-the input's dtype. The forward makes ONE tensor of the input's size (t, in which y is built; for
-half inputs its float32 copy plus the output): no float64 tensor of the input's size, only O(C)
-float64 values.
+after the second pass c0 = (mean - x0) + D/n, not (mean + D/n) - x0, which would round a number
+of the mean's size and cost u·|mean| (a float64 input with mean 1e6: 1e-10, ten times torch's own
+error). The output is in the input's dtype. The forward makes ONE tensor of the input's size (t,
+in which y is built; for half inputs its float32 copy plus the output): no float64 tensor of the
+input's size, only O(C) float64 values.
 
 Backward: one all_reduce of 2C numbers
 --------------------------------------
