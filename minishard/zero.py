@@ -304,8 +304,9 @@ class ZeRO(nn.Module):
             (every matching submodule is its own unit), or a predicate ``fn(module) -> bool``.
             A parameter belongs to the innermost unit that contains every module using it.
             Each unit is one collective per gather and per reduction: on gloo over loopback a
-            collective costs about 1.6 ms whatever its size, so there units of several MiB
-            train faster than many small ones (bench/RESULTS.md, "Where stage 3's time goes").
+            collective costs about 0.8 ms of CPU per call on top of its bytes, so there units
+            of several MiB train faster than many small ones (bench/RESULTS.md, "Where stage
+            3's time goes").
         process_group: the ranks to shard over (default: all).
         mesh: instead of ``process_group``, a ``torch.distributed.device_mesh.DeviceMesh``.
             1-D: the same as its process group. 2-D, dims (replicate, shard) as in FSDP2, e.g.
@@ -329,7 +330,7 @@ class ZeRO(nn.Module):
             bucket with prefetch; up to a bucket of full gradients waiting for their
             reduction; and a staging buffer of a bucket while it moves. Fewer collectives for
             that memory: worth it where each collective has a fixed cost small units do not
-            amortise (bench/RESULTS.md: gloo over loopback, ~1.6 ms per collective).
+            amortise (bench/RESULTS.md: gloo over loopback, ~0.8 ms of CPU per call).
         param_groups: optimizer parameter groups over the ORIGINAL parameters, as you would
             pass them to ``torch.optim`` for the unwrapped model (``[{"params": [...],
             "weight_decay": 0.0}, ...]``). Parameters of different groups get different flat
