@@ -350,7 +350,11 @@ def all_reduce_algorithms(group_size: int) -> list[str]:
     """The algorithms that can run on ``group_size`` ranks (doubling pairs ranks up: it needs a
     power of two, and at 2 ranks it is the direct exchange)."""
     n = group_size
-    return ["direct", "ring"] + (["doubling"] if n > 2 and n & (n - 1) == 0 else [])
+    return ["direct", "ring"] + (["doubling"] if n > 2 and _power_of_two(n) else [])
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def pick_all_reduce(full_bytes: int, group_size: int, backend: str) -> str:
@@ -383,7 +387,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
-    if algorithm == "doubling" and n & (n - 1):
+    if algorithm == "doubling" and not _power_of_two(n):
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
     if algorithm != "ring" and not tensor.is_contiguous():
@@ -399,6 +403,11 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     work = dist.all_reduce(tensor, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
     return _finish(work, async_op, then)
+
+
+def _combine(op: str):
+    """How two ranks' values meet: max for "max", a sum for "sum" and "avg" (divided at the end)."""
+    return torch.maximum if op == "max" else torch.add
 
 
 def _all_reduce_by_exchange(tensor, op, group, n):
@@ -423,7 +432,7 @@ def _all_reduce_by_exchange(tensor, op, group, n):
 
     def total() -> None:  # runs after every send finished: the own tensor may change now
         # Accumulate in recv[0], which holds part[0] or part[1]: no buffer beyond recv.
-        combine = torch.maximum if op == "max" else torch.add
+        combine = _combine(op)
         acc = combine(parts[0], parts[1], out=recv[0])
         for part in parts[2:]:
             combine(acc, part, out=acc)
@@ -454,10 +463,7 @@ def _all_reduce_by_doubling(tensor, op, group, n):
                 dist.irecv(recv, peer, group=group, tag=_DOUBLING_TAG)]
 
     def add() -> None:  # runs after the round's send finished: flat may change now
-        if op == "max":
-            torch.maximum(flat, recv, out=flat)
-        else:
-            flat.add_(recv)
+        _combine(op)(flat, recv, out=flat)
 
     def rest() -> None:
         add()
