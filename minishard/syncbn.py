@@ -150,11 +150,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _per_channel(dtype: torch.dtype, shape, *vectors: torch.Tensor) -> torch.Tensor:
-    """Float64 per-channel vectors, cast to ``dtype`` in ONE conversion and shaped (k, 1, C, 1, ...)
-    so that row i broadcasts against x (many tiny casts cost more than the arithmetic on small
-    layers)."""
-    return torch.stack(vectors).to(dtype).view(len(vectors), *shape)
+def _per_channel(dtype: torch.dtype, shape, *vectors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Float64 per-channel vectors, cast to ``dtype`` in ONE conversion and each shaped
+    (1, C, 1, ...) so that it broadcasts against x (many tiny casts cost more than the arithmetic
+    on small layers)."""
+    return torch.stack(vectors).to(dtype).view(len(vectors), *shape).unbind()
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
@@ -198,18 +198,21 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
     """(n, mean, M2, c0) of the whole group's batch, per channel, float64: the two passes of the
     module doc, and c0 = mean - x0 for this rank's x0, formed without rounding the mean first.
     ``t`` is this rank's x - x0. One all_reduce unless the pass-1 sums cancel."""
+    # (Every line here is a few operations on C numbers: on CPU each costs several us whatever
+    # C is, so the code prefers one fused operation (addcmul: a + v·b·c) to two.)
     C = t.shape[1]
     n_r = t.numel() // C
+    x0d = x0.double()
     if n_r:  # t is small: Σt² - n·mean(t)² has nothing left to cancel (module doc)
-        sum_sq, sum_t = torch.stack(_channel_sums(t, t)).double()
+        sum_sq, sum_t = torch.stack(_channel_sums(t, t)).double().unbind()
         mean_t = sum_t / n_r
-        M2_r = (sum_sq - sum_t * mean_t).clamp_min(0)
+        M2_r = torch.addcmul(sum_sq, sum_t, mean_t, value=-1).clamp_min_(0)
     else:  # an empty rank: zeros, and it still joins every collective
         mean_t = M2_r = torch.zeros(C, dtype=torch.float64, device=t.device)
-    m_r = x0.double() + mean_t  # this rank's mean
+    m_r = x0d + mean_t  # this rank's mean
 
     S_r = n_r * m_r
-    stats = torch.cat([S_r, M2_r + S_r * m_r, S_r.new_full((1,), n_r)])
+    stats = torch.cat([S_r, torch.addcmul(M2_r, S_r, m_r), S_r.new_full((1,), n_r)])
     _sum_over_group(stats, group, f"{tag} forward{suffix}")
     S, Q, n = stats[:C], stats[C:2 * C], int(stats[2 * C])  # n: the one device->host read
     if n == 1:  # every rank sees the same n, so every rank raises here: no rank hangs
@@ -219,15 +222,15 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
             f"{comm.group_size(group)} ranks of the process group. Use a larger batch, or "
             "call .eval() to normalise with the running statistics.")
     mean = S / n
-    M2 = Q - S * mean
-    c0 = mean - x0.double() if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
+    M2 = torch.addcmul(Q, S, mean, value=-1)
+    c0 = mean - x0d if n else torch.zeros_like(mean)  # (n == 0: mean is NaN)
 
     # Pass 1's float64 error bound against one rounding unit of the local statistics (module
     # doc); every rank holds the same S, Q, n, so every rank takes the same branch.
     bound = ((3 * comm.group_size(group) + 5) * _unit_roundoff(torch.float64)
              / _unit_roundoff(t.dtype))
     if bool((bound * Q > M2).any()):
-        d_r = (x0.double() - mean) + mean_t if n_r else mean_t  # m_r - mean, digits kept
+        d_r = (x0d - mean) + mean_t if n_r else mean_t  # m_r - mean, digits kept
         shifted = torch.cat([n_r * d_r, M2_r + n_r * d_r * d_r])
         _sum_over_group(shifted, group, f"{tag} forward{suffix} (second pass)")
         D, E = shifted[:C], shifted[C:]
@@ -255,21 +258,21 @@ class SyncBatchNormFunction(torch.autograd.Function):
         x0 = _local_shift(xa)
         t = xa - x0.view(shape) if xa is x else xa.sub_(x0.view(shape))
         n, mean, M2, c0 = _global_stats(t, x0, group, tag, suffix)
-        var = (M2 / n).clamp_min(0)  # clamp: rounding may leave a tiny negative
-        invstd = torch.rsqrt(var + eps)
+        var = (M2 / n).clamp_min_(0)  # clamp: rounding may leave a tiny negative
+        invstd = (var + eps).rsqrt_()
 
         if running_mean is not None and n > 0:  # n == 0 (every rank empty): leave them, as stock
             m = momentum
-            running_mean.mul_(1 - m).add_(m * mean.to(running_mean.dtype))
-            running_var.mul_(1 - m).add_(m * (var * (n / (n - 1))).to(running_var.dtype))
+            running_mean.mul_(1 - m).add_(mean.to(running_mean.dtype), alpha=m)
+            running_var.mul_(1 - m).add_((var * (n / (n - 1))).to(running_var.dtype), alpha=m)
 
         # y = (x - mean)·scale + b = t·scale + (b - c0·scale), c0 = mean - x0: the large common
         # part x0 is already gone from t, and c0 is small and formed in float64 without the
         # mean's own rounding, so the mean is never rounded before it is subtracted.
         scale = invstd if weight is None else invstd * weight.double()
-        shift = -c0 * scale if bias is None else bias.double() - c0 * scale
-        s_b = _per_channel(dtype, shape, scale, shift)
-        y = t.mul_(s_b[0]).add_(s_b[1])
+        shift = -c0 * scale if bias is None else torch.addcmul(bias.double(), c0, scale, value=-1)
+        scale, shift = _per_channel(dtype, shape, scale, shift)
+        y = t.mul_(scale).add_(shift)
         y = y if y.dtype == x.dtype else y.to(x.dtype)  # half inputs: back to their dtype
 
         ctx.save_for_backward(x, weight, x0, c0, invstd)
@@ -292,9 +295,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
         else:
             sums = torch.zeros(2 * C, dtype=torch.float64, device=x.device)
         sum_dy = sums[:C]
-        sum_dy_xhat = sums[C:] - c0 * sum_dy
+        sum_dy_xhat = torch.addcmul(sums[C:], c0, sum_dy, value=-1)
         if ctx.n:  # (every rank empty: invstd is NaN and the sums are 0; keep them 0)
-            sum_dy_xhat = sum_dy_xhat * invstd
+            sum_dy_xhat.mul_(invstd)
 
         # Parameter gradients: LOCAL sums (DDP / ZeRO average them across ranks).
         dweight = sum_dy_xhat.to(weight.dtype) if ctx.needs_input_grad[1] else None
@@ -307,9 +310,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
             A, B = AB[:C], AB[C:]
             n = ctx.n
             k = invstd if weight is None else invstd * weight.double()
-            c = k * invstd * B / n
-            # dx = w·invstd·(dy - A/n - x̂·B/n) = dy·k - (t - c0)·c - k·A/n
-            x0_, minus_c, K, k_ = _per_channel(dtype, shape, x0, -c, k * A / n - c0 * c, k)
+            minus_c = k * invstd * B / -n
+            # dx = w·invstd·(dy - A/n - x̂·B/n) = dy·k - (t - c0)·c - k·A/n,  c = k·invstd·B/n
+            minus_c, K, k_ = _per_channel(dtype, shape, minus_c,
+                                          torch.addcmul(k * A / n, c0, minus_c), k)
+            x0_ = x0.view(shape)
             t = x - x0_ if x.dtype == dtype else x.to(dtype).sub_(x0_)  # t, in dx's buffer
             dx = t.mul_(minus_c).sub_(K).addcmul_(dy, k_)
             dx = dx if dx.dtype == x.dtype else dx.to(x.dtype)
@@ -367,7 +372,8 @@ class SyncBatchNorm(_BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        self.last_input_dim = x.dim()
+        if self.last_input_dim != x.dim():  # (nn.Module's __setattr__ is slow: set on change)
+            self.last_input_dim = x.dim()
 
         # Momentum and the batch counter, exactly as stock _BatchNorm: momentum=None means a
         # cumulative average, factor 1/num_batches_tracked.
