@@ -13,6 +13,13 @@ backward), and the latency is its time minus BatchNorm2d's. The same collectives
 back with no computation ("alone") are shown too: on 2 shared cores they measure 1.5-2x faster
 than right after a computation, so they would understate what any layer pays for them.
 
+The control, "2x BatchNorm2d + its 2 collectives", is two BatchNorm2d layers in a row with the
+same two all-reduces around them: a layer whose arithmetic is exactly the target's allowance. It
+measures the target itself, where the sum is made, instead of adding up terms measured apart.
+With more ranks than cores the terms do not add up: the more computation lies between two
+synchronisations, the further the ranks drift apart and the longer each waits for the slowest;
+at 4 ranks on 2 cores the control itself misses the additive target in most runs (RESULTS.md).
+
 Also the bytes each rank sends per layer per step, next to what stock torch.nn.SyncBatchNorm's
 design sends: it all-gathers every rank's (mean, invstd, count) in forward, (2C+1)·N values, and
 all-reduces 2C values in backward. minishard sends 2C+1 and 2C (fp64 statistics: see
@@ -68,7 +75,9 @@ def main() -> None:
               "minishard.SyncBatchNorm": minishard.SyncBatchNorm(C)}
     alone = CollectivesAlone(C)
     with_collectives = "BatchNorm2d + its 2 collectives"
-    times = {name: [] for name in [*layers, with_collectives, "its 2 collectives alone"]}
+    control, twice = "2x BatchNorm2d + its 2 collectives", nn.Sequential(nn.BatchNorm2d(C),
+                                                                         nn.BatchNorm2d(C))
+    times = {name: [] for name in [*layers, with_collectives, control, "its 2 collectives alone"]}
     sent = {}
     for i in range(args.steps + 5):
         for name in times:
@@ -79,6 +88,8 @@ def main() -> None:
                     layers[name](x).square().mean().backward()
                 elif name == with_collectives:
                     alone.around(layers["BatchNorm2d (no sync)"], x).square().mean().backward()
+                elif name == control:
+                    alone.around(twice, x).square().mean().backward()
                 else:
                     alone.step()
             if i >= 5:
@@ -103,6 +114,10 @@ def main() -> None:
               f"{1000 * (2 * base + coll):.3f} ms: {1000 * sync:.3f} ms, "
               f"{'met' if sync <= 2 * base + coll else 'MISSED'}; "
               f"(SyncBatchNorm - collectives) / BatchNorm2d = {(sync - coll) / base:.2f}")
+        at_allowance = statistics.median(times[control])
+        print(f"control, {control}: {1000 * at_allowance:.3f} ms, "
+              f"(control - collectives) / BatchNorm2d = {(at_allowance - coll) / base:.2f}; "
+              f"SyncBatchNorm / control = {sync / at_allowance:.2f}")
     dist.barrier()
     dist.destroy_process_group()
 
