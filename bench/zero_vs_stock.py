@@ -9,6 +9,8 @@ step time, the ratio to the stock equivalent, and the bytes each rank sends per 
 ledger; for the stock systems the same ring formula applied to what they communicate).
 
     floor     the same local batch with no communication at all (a lower bound)
+    control   torch DDP with one bucket per block (8 all-reduces per step on the MLP instead of
+              1): what each collective costs this machine in torch's own C++ (RESULTS.md)
     stage 0   vs torch DDP
     stage 1   vs DDP + ZeroRedundancyOptimizer
     stage 2   vs FSDP1 SHARD_GRAD_OP, FSDP2 reshard_after_forward=False
@@ -146,6 +148,10 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
     return {
         "floor": (lambda: with_adam(fresh()), None, 0),
         "torch DDP": (lambda: with_adam(DDP(fresh())), None, 2 * ring),
+        # A control: DDP made to issue one all-reduce per block (8 on the MLP) instead of one
+        # for the whole model: what each collective costs this machine in torch's own C++.
+        "torch DDP per-block buckets": (lambda: with_adam(DDP(fresh(), bucket_cap_mb=0.01)),
+                                        "torch DDP", 2 * ring),
         "torch DDP+ZeRO-opt": (ddp_zero_opt, None, 2 * ring),
         "FSDP1 SHARD_GRAD_OP": (lambda: fsdp1(ShardingStrategy.SHARD_GRAD_OP), None, 2 * ring),
         "FSDP1 FULL_SHARD": (lambda: fsdp1(ShardingStrategy.FULL_SHARD), None, 3 * ring),
