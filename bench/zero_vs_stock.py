@@ -9,8 +9,8 @@ step time, the ratio to the stock equivalent, and the bytes each rank sends per 
 ledger; for the stock systems the same ring formula applied to what they communicate).
 
     floor     the same local batch with no communication at all (a lower bound)
-    control   torch DDP with one bucket per block (8 all-reduces per step on the MLP instead of
-              1): what each collective costs this machine in torch's own C++ (RESULTS.md)
+    control   "torch DDP per-block buckets": DDP with one bucket per block (8 all-reduces per
+              step on the MLP instead of 1), what each collective costs here in torch's own C++
     stage 0   vs torch DDP
     stage 1   vs DDP + ZeroRedundancyOptimizer
     stage 2   vs FSDP1 SHARD_GRAD_OP, FSDP2 reshard_after_forward=False
