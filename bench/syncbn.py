@@ -75,8 +75,8 @@ def main() -> None:
               "minishard.SyncBatchNorm": minishard.SyncBatchNorm(C)}
     alone = CollectivesAlone(C)
     with_collectives = "BatchNorm2d + its 2 collectives"
-    control, twice = "2x BatchNorm2d + its 2 collectives", nn.Sequential(nn.BatchNorm2d(C),
-                                                                         nn.BatchNorm2d(C))
+    control = "2x BatchNorm2d + its 2 collectives"
+    twice = nn.Sequential(nn.BatchNorm2d(C), nn.BatchNorm2d(C))
     times = {name: [] for name in [*layers, with_collectives, control, "its 2 collectives alone"]}
     sent = {}
     for i in range(args.steps + 5):
