@@ -52,6 +52,8 @@ model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
 import argparse
 import copy
 import gc
+import inspect
+import json
 import resource
 import statistics
 import time
@@ -138,14 +140,15 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
         return with_adam(fully_shard(m, reshard_after_forward=reshard))
 
     def ours(stage, units, prefetch=False, bucket_bytes=0):
+        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # older trees lack it
         return lambda: with_adam(minishard.ZeRO(fresh(), stage=stage, units=units,
-                                                prefetch=prefetch, bucket_bytes=bucket_bytes))
+                                                prefetch=prefetch, **extra))
 
     def ddp_zero_opt():
         m = DDP(fresh())
         return m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
 
-    return {
+    table = {
         "floor": (lambda: with_adam(fresh()), None, 0),
         "torch DDP": (lambda: with_adam(DDP(fresh())), None, 2 * ring),
         # A control: DDP made to issue one all-reduce per block (8 on the MLP) instead of one
@@ -167,6 +170,9 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
                                                "FSDP1 FULL_SHARD", None),
         "minishard stage 3 +debug": (ours(3, {block}), "minishard stage 3", None),
     }
+    if "bucket_bytes" not in inspect.signature(minishard.ZeRO).parameters:  # bench/ab.py's REF
+        del table["minishard stage 3 +prefetch +4MiB"]
+    return table
 
 
 def _resident_kib() -> float:
@@ -216,9 +222,12 @@ def _cost(entry) -> float:
     return (n - 1) * comm.ALPHA + float(comm.ring_bytes(entry.op, full, n)) * comm.BETA
 
 
-def limit_ms(name: str, entries, floor: dict[str, float], world: int) -> float:
+def limit_ms(name: str, entries, floor: dict[str, float], world: int) -> float | None:
     """The bench docstring's limit, in ms, for minishard system ``name`` with the collectives
-    ``entries`` of one step (in issue order) and the floor's median phase times (seconds)."""
+    ``entries`` of one step (in issue order) and the floor's median phase times (seconds); None
+    for a tree whose comm has no alpha-beta model (an older one, run by bench/ab.py)."""
+    if not hasattr(comm, "all_reduce_cost"):
+        return None
     sharded = "stage 0" not in name  # sharded optimizer state, and parameters gathered in forward
     compute = floor["forward"] + floor["backward"] + floor["step"] / (world if sharded else 1)
     comm_s = sum(_cost(e) for e in entries)
@@ -241,6 +250,8 @@ def main() -> None:
                         help="wrap / shard K consecutive blocks as one unit (granularity)")
     parser.add_argument("--phases", action="store_true",
                         help="also print each system's forward / backward / step times")
+    parser.add_argument("--json", help="also write each system's median ms and ms blocked here "
+                                       "(rank 0; bench/ab.py reads it)")
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
@@ -250,7 +261,7 @@ def main() -> None:
     if args.only:
         table = {args.only: table[args.only]}
     elif args.systems:
-        keep = {"floor", *args.systems.split(",")}
+        keep = {"floor", *args.systems.split(",")} & set(table)  # an older tree may lack some
         keep |= {table[name][1] for name in keep if table[name][1]}  # and their stock equivalents
         table = {name: row for name, row in table.items() if name in keep}
     rss_before = _resident_kib()
@@ -325,6 +336,11 @@ def main() -> None:
         say(f"\nprefetch: stage 3 blocked {waited[off]:.1f} ms/step waiting on collectives "
             f"without it, {waited[on]:.1f} with it: {100 * (1 - waited[on] / waited[off]):.0f}% "
             f"of the exposed communication hidden; step {med[off]:.1f} -> {med[on]:.1f} ms")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump({"minishard": minishard.__file__,
+                       "systems": {name: {"median_ms": med[name], "blocked_ms": waited[name]}
+                                   for name in table}}, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
