@@ -4,8 +4,8 @@ Every collective minishard issues goes through a function in this module. That b
 
 1. One place to hide differences between torch versions and backends (the ``*_single`` names that
    torch 2.13 prefers over ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; averaging on a
-   backend that only sums; on gloo, all_gather and reduce_scatter done as direct exchanges, each
-   faster there than gloo's own).
+   backend that only sums; on gloo, all_gather done as N broadcasts and reduce_scatter as a
+   direct exchange, each faster in a training step there than gloo's own).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
    issues is recorded with its op, dtype, element count, group size and the bytes this rank sends
    under the ring cost model below, and the group it ran on (its global ranks, and the
@@ -489,32 +489,29 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         output.copy_(shard.view_as(output))
         return _finish(None, async_op)
     if dist.get_backend(group) == "gloo" and output.is_contiguous():
-        return _finish(_all_gather_by_exchange(output, shard, group, n), async_op)
+        return _finish(_all_gather_by_broadcasts(output, shard, group, n), async_op)
     work = _all_gather_flat(output, shard, group=group, async_op=True)
     return _finish(work, async_op)
 
 
-def _all_gather_by_exchange(output, shard, group, n):
-    """One round: rank r sends its shard to every other rank and receives each rank's shard
-    straight into that rank's slice of ``output``::
+def _all_gather_by_broadcasts(output, shard, group, n):
+    """N broadcasts, one per rank, each straight into that rank's slice of ``output``::
 
-        rank r:  out[r] = shard;  --out[r]-->  every rank j != r      (N-1 sends of k elements)
-                 out[j]  <--  rank j's shard                           (N-1 receives, in place)
+        rank r:  out[r] = shard;   broadcast(out[j], src=j)  for every j      (in place)
 
-    The ring's (N-1)/N·S bytes per rank, in one round instead of N-1, with no staging copy.
-    Measured on gloo (2 ranks, 1 MiB): gloo's all_gather 1.6 ms, N broadcasts into the slices
-    (this module's previous choice) 1.9 ms, this exchange 0.9 ms (bench/RESULTS.md)."""
+    The ring's (N-1)/N·S bytes per rank, with no staging copy. Chosen by whole training steps,
+    not by the collective alone: alone, a one-round exchange of isend/irecv is twice as fast
+    (1 MiB at 2 ranks: 0.9 ms against 1.9; gloo's own all_gather 1.6), yet in a stage-3 step it
+    is slower, because gloo runs a send on the calling thread, which on 2 cores is the thread
+    that computes, while a broadcast runs on gloo's worker thread. Interleaved steps, 2 ranks,
+    stage 3 on bench/zero_vs_stock.py's MLP: broadcasts 3-8% faster than the exchange, gloo's
+    all_gather 0-5% slower than it (bench/RESULTS.md, issue 24)."""
     k, r, out = shard.numel(), group_rank(group), output.view(-1)
     mine = out[r * k:(r + 1) * k]
     if mine.data_ptr() != shard.data_ptr():  # not already in place
         mine.copy_(shard.reshape(-1))
-    works = []
-    for step in range(1, n):  # every rank sends to r+step while receiving from r-step
-        to, frm = (r + step) % n, (r - step) % n
-        works.append(dist.isend(mine, _global(group, to), group=group, tag=_GATHER_TAG))
-        works.append(dist.irecv(out[frm * k:(frm + 1) * k], _global(group, frm), group=group,
-                                tag=_GATHER_TAG))
-    return works
+    return [dist.broadcast(out[j * k:(j + 1) * k], src=_global(group, j), group=group,
+                           async_op=True) for j in range(n)]
 
 
 @torch.no_grad()
@@ -575,7 +572,6 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
 # user's isend/irecv between the same ranks (tag 0 by default) never takes a gradient chunk.
 _EXCHANGE_TAG = 0x6D73  # "ms"
 _ALL_REDUCE_TAG = _EXCHANGE_TAG + 1  # the direct all_reduce: its own tag, so never mixed with it
-_GATHER_TAG = _EXCHANGE_TAG + 2      # the all_gather exchange: its own tag too
 _DOUBLING_TAG = _EXCHANGE_TAG + 3    # recursive doubling
 
 
