@@ -7,66 +7,31 @@ Every collective minishard issues goes through a function in this module. That b
    backend that only sums; on gloo, all_gather done as N broadcasts and reduce_scatter as a
    direct exchange, each faster in a training step there than gloo's own).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
-   issues is recorded with its op, dtype, element count, group size and the bytes this rank sends
-   under the ring cost model below, and the group it ran on (its global ranks, and the
-   ``DeviceMesh`` dimension when the group is one). Tests assert those bytes exactly against the
-   ZeRO formulas, per group: hybrid sharding's inside-a-node and across-nodes traffic apart.
+   issues is recorded with the bytes it sends (costs.py: the ring cost model, the Ledger, and the
+   alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm).
 3. One place a reader has to look to know when ranks talk to each other.
-
-Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` = group size)::
-
-    all_reduce      2 (N-1)/N * S     reduce-scatter pass, then all-gather pass
-    all_gather        (N-1)/N * S     S = bytes of the gathered (output) tensor
-    reduce_scatter    (N-1)/N * S     S = bytes of the full (input) tensor
-    broadcast         (N-1)/N * S     pipelined chain: N-1 of the N ranks forward S
-
-    why all_reduce = reduce_scatter + all_gather:
-      rank:       0      1      2           0      1      2           0      1      2
-      in       [a0 a1 a2][b0 b1 b2][c0..]  ->  [Σ0]   [Σ1]   [Σ2]  ->  [Σ0 Σ1 Σ2] everywhere
-                            reduce_scatter              all_gather
-
-Latency: for a tiny tensor the bytes hardly matter and the number of messages does. The
-alpha-beta model (Hockney's; Thakur, Rabenseifner & Gropp 2005 for these algorithms) prices a
-collective by what one rank sends::
-
-    time = messages * ALPHA + bytes * BETA      ALPHA: the fixed cost of one message
-                                                BETA:  the cost of one byte
-                         messages    bytes sent per rank
-    ring all_reduce      2(N-1)      2(N-1)/N * S
-    direct exchange      N-1         (N-1) * S    (its whole tensor to every other rank)
-    recursive doubling   log2 N      log2 N * S   (N a power of two; at N = 2 it IS the exchange)
-
-For small S the fewest messages win: doubling where N is a power of two, else the exchange. The
-ring wins once its saving in bytes outweighs its extra messages; at N = 4, against doubling,
-above S* = 8 ALPHA/BETA (4 messages more, S/2 bytes fewer). The ring's bytes per rank stay below
-2S whatever N, which is why ZeRO's MiB-sized buckets use it.
-
-``all_reduce(..., algorithm="auto")`` picks the cheapest with ALPHA and BETA measured on this
-machine (``bench/alpha_beta.py``); the ledger then records the algorithm that ran and the
-bytes it really sends. The default stays the backend's own ring: callers whose byte counts are a
-contract (ZeRO's per-step formulas) keep them; SyncBatchNorm's few statistics ask for "auto".
 
 Each function takes ``group`` (``None`` = the default process group) and ``async_op``. With
 ``async_op=True`` it returns a :class:`Handle`; call ``.wait()`` before reading the result.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import time
 from datetime import timedelta
-from fractions import Fraction
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from minishard import costs
+from minishard.costs import (ALPHA, BETA, Entry, Ledger, all_reduce_algorithms, all_reduce_cost,
+                             all_reduce_terms, ledger, pick_all_reduce, power_of_two, ring_bytes)
 
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
-    "CollectiveMismatch", "group_ranks", "group_dim",
+    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -74,124 +39,17 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# --------------------------------------------------------------------------------------- ledger
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One collective as seen by this rank."""
-    op: str              # "all_reduce" | "all_gather" | "reduce_scatter" | "broadcast"
-    dtype: torch.dtype
-    numel: int           # elements of the FULL tensor (output of all_gather, input of reduce_scatter)
-    group_size: int
-    bytes_sent: Fraction  # what `algorithm` sends from this rank; a Fraction so sums stay exact
-    tag: str = ""        # who asked: a SyncBN layer, a ZeRO unit, ...
-    algorithm: str = "ring"  # what ran: "ring" (the cost model above), "direct" or "doubling"
-    ranks: tuple[int, ...] = ()  # the group's GLOBAL ranks, in group order
-    dim: str = ""        # the DeviceMesh dimension of that group ("shard", "replicate"), if any
-
-
-_RING_FACTOR = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "broadcast": 1}
-
-
-def ring_bytes(op: str, full_bytes: int, group_size: int) -> Fraction:
-    """Bytes one rank sends for ``op`` on a tensor of ``full_bytes`` bytes (see the module doc)."""
-    return Fraction(_RING_FACTOR[op] * (group_size - 1) * full_bytes, group_size)
-
-
-class Ledger:
-    """The list of collectives issued on this rank inside a ``with ledger():`` block."""
-
-    def __init__(self) -> None:
-        self.entries: list[Entry] = []
-        # Seconds this rank sat blocked in wait() for collectives to finish: the communication
-        # time NOT hidden behind computation (benchmarks report it; tests assert bytes only).
-        self.blocked_s = 0.0
-
-    def total_bytes(self, op: str | None = None, *, group=None, dim: str | None = None
-                    ) -> Fraction:
-        """Bytes sent, optionally only by ``op``, on one ``group`` (a process group, or its global
-        ranks in any order) or on one mesh dimension ``dim``."""
-        return sum((e.bytes_sent for e in self._select(op, group, dim)), Fraction(0))
-
-    def count(self, op: str | None = None, *, group=None, dim: str | None = None) -> int:
-        return sum(1 for _ in self._select(op, group, dim))
-
-    def by_group(self) -> dict[tuple[str, tuple[int, ...]], Fraction]:
-        """Bytes sent per group: ``{(dim, ranks): bytes}``, in order of first use."""
-        out: dict[tuple[str, tuple[int, ...]], Fraction] = {}
-        for e in self.entries:
-            out[(e.dim, e.ranks)] = out.get((e.dim, e.ranks), Fraction(0)) + e.bytes_sent
-        return out
-
-    def _select(self, op, group, dim) -> Iterator[Entry]:
-        ranks = None
-        if group is not None:
-            ranks = frozenset(group) if isinstance(group, (list, tuple, set, frozenset, range)) \
-                else frozenset(group_ranks(group))
-        for e in self.entries:
-            if ((op is None or e.op == op) and (dim is None or e.dim == dim)
-                    and (ranks is None or frozenset(e.ranks) == ranks)):
-                yield e
-
-    def numel(self, op: str | None = None) -> int:
-        return sum(e.numel for e in self.entries if op is None or e.op == op)
-
-    def table(self) -> str:
-        """A readable summary: one row per (op, dtype, group size, tag), with counts and bytes."""
-        rows: dict[tuple, list] = {}
-        for e in self.entries:
-            op = e.op if e.algorithm == "ring" else f"{e.op}:{e.algorithm}"
-            key = (op, str(e.dtype).replace("torch.", ""), e.group_size, e.tag)
-            row = rows.setdefault(key, [0, 0, Fraction(0)])
-            row[0] += 1
-            row[1] += e.numel
-            row[2] += e.bytes_sent
-        head = f"{'op':<18}{'dtype':<10}{'N':>3}  {'calls':>6}{'elements':>12}{'bytes sent':>14}  tag"
-        lines = [head, "-" * len(head)]
-        for (op, dt, n, tag), (calls, numel, sent) in rows.items():
-            lines.append(f"{op:<18}{dt:<10}{n:>3}  {calls:>6}{numel:>12}{float(sent):>14.0f}  {tag}")
-        lines.append(f"{'total':<31}  {len(self.entries):>6}{'':>12}{float(self.total_bytes()):>14.0f}")
-        return "\n".join(lines)
-
-
-_open_ledgers: list[Ledger] = []
-
-
-@contextlib.contextmanager
-def ledger() -> Iterator[Ledger]:
-    """Record every collective this rank issues inside the block. Ledgers nest."""
-    led = Ledger()
-    _open_ledgers.append(led)
-    try:
-        yield led
-    finally:
-        _open_ledgers.remove(led)
-
-
-def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[int, Fraction]:
-    """``(messages sent, bytes sent)`` by one rank in an all_reduce of ``full_bytes`` bytes by
-    ``algorithm`` (the table in the module doc)."""
-    n = group_size
-    if n == 1:
-        return 0, Fraction(0)
-    if algorithm == "direct":
-        return n - 1, Fraction((n - 1) * full_bytes)
-    if algorithm == "doubling":
-        steps = n.bit_length() - 1
-        return steps, Fraction(steps * full_bytes)
-    return 2 * (n - 1), ring_bytes("all_reduce", full_bytes, n)
-
-
 def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
             algorithm: str = "ring", group=None) -> None:
-    if not _open_ledgers:
+    """Give the open ledgers (costs.py) this collective's entry: comm knows the group."""
+    if not costs.recording():
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
             else all_reduce_terms(algorithm, full_bytes, n)[1])
     entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm,
                   ranks=group_ranks(group), dim=group_dim(group))
-    for led in _open_ledgers:
-        led.entries.append(entry)
+    costs.record(entry)
 
 
 # --------------------------------------------------------------------- consistency checking
@@ -248,7 +106,13 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
             algorithm: str = "ring") -> None:
-    """Every collective passes here first: the ledger, and the debug consistency check."""
+    """Every collective passes here first: the ledger, and the debug consistency check.
+
+    ``tensor`` must be contiguous: a backend moves a tensor's memory in STORAGE order, so a
+    transposed tensor on one rank would reach the others scrambled, with no error. Every
+    collective below hands the backend a contiguous copy of a strided argument (:func:`_dense`)
+    and copies a result back into the caller's tensor."""
+    assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
     _record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
@@ -316,8 +180,7 @@ def _wait_all(works) -> None:
     start = time.perf_counter()
     for work in works:
         work.wait()
-    for led in _open_ledgers:
-        led.blocked_s += time.perf_counter() - start
+    costs.add_blocked(time.perf_counter() - start)
 
 
 def _finish(work, async_op: bool, then=None):
@@ -330,41 +193,23 @@ def _finish(work, async_op: bool, then=None):
     return None
 
 
-# -------------------------------------------------------------------- the alpha-beta model
-# Measured on this machine (2-core CI kind, gloo over loopback, one thread per rank) by
-#     python bench/alpha_beta.py
-# which times the all_reduce algorithms at 2 and 4 ranks over 8 B - 4 MiB and fits
-# time = c + messages * ALPHA + bytes sent * BETA by least squares (c, the per-call overhead, is
-# the same for every algorithm and cancels in the choice). See bench/RESULTS.md.
-ALPHA = 360e-6        # seconds per message (ranks sharing 2 busy cores: mostly scheduling)
-BETA = 1.3e-9         # seconds per byte sent by one rank (0.72 GiB/s)
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when contiguous, else a contiguous copy in its LOGICAL order (a
+    transposed buffer, a column slice): what the backend may be given (see :func:`_before`)."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def all_reduce_cost(algorithm: str, full_bytes: int, group_size: int) -> float:
-    """Seconds the alpha-beta model predicts for an all_reduce of ``full_bytes`` bytes."""
-    messages, sent = all_reduce_terms(algorithm, full_bytes, group_size)
-    return messages * ALPHA + float(sent) * BETA
+def _copy_back(then, tensor: torch.Tensor, dense: torch.Tensor):
+    """``then``, followed, when the result landed in a contiguous copy, by copying it into the
+    caller's ``tensor``."""
+    if dense is tensor:
+        return then
 
-
-def all_reduce_algorithms(group_size: int) -> list[str]:
-    """The algorithms that can run on ``group_size`` ranks (doubling pairs ranks up: it needs a
-    power of two, and at 2 ranks it is the direct exchange)."""
-    n = group_size
-    return ["direct", "ring"] + (["doubling"] if n > 2 and _power_of_two(n) else [])
-
-
-def _power_of_two(n: int) -> bool:
-    return n & (n - 1) == 0
-
-
-def pick_all_reduce(full_bytes: int, group_size: int, backend: str) -> str:
-    """The algorithm the model says is cheapest (ties: the first of ``all_reduce_algorithms``).
-    Only on gloo: the constants were measured there (NCCL has its own low-latency
-    algorithms)."""
-    if backend != "gloo" or group_size < 2:
-        return "ring"
-    return min(all_reduce_algorithms(group_size),
-               key=lambda a: all_reduce_cost(a, full_bytes, group_size))
+    def then_copy() -> None:
+        if then is not None:
+            then()
+        tensor.copy_(dense)
+    return then_copy
 
 
 # -------------------------------------------------------------------------------- collectives
@@ -387,22 +232,21 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
-    if algorithm == "doubling" and not _power_of_two(n):
+    if algorithm == "doubling" and not power_of_two(n):
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
-    if algorithm != "ring" and not tensor.is_contiguous():
-        algorithm = "ring"  # point-to-point sends need one dense block
-    _before("all_reduce", tensor, tensor.numel(), group, n, tag, algorithm)
+    dense = _dense(tensor)
+    _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
-        works, total = _all_reduce_by_exchange(tensor, op, group, n)
-        return _finish(works, async_op, total)
+        works, total = _all_reduce_by_exchange(dense, op, group, n)
+        return _finish(works, async_op, _copy_back(total, tensor, dense))
     if algorithm == "doubling" and n > 1:
-        works, rest = _all_reduce_by_doubling(tensor, op, group, n)
-        return _finish(works, async_op, rest)
+        works, rest = _all_reduce_by_doubling(dense, op, group, n)
+        return _finish(works, async_op, _copy_back(rest, tensor, dense))
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    work = dist.all_reduce(tensor, op=red, group=group, async_op=True) if n > 1 else None
-    then = (lambda: tensor.div_(n)) if op == "avg" and n > 1 else None
-    return _finish(work, async_op, then)
+    work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
+    then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
+    return _finish(work, async_op, _copy_back(then, tensor, dense))
 
 
 def _combine(op: str):
@@ -484,14 +328,16 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
-    _before("all_gather", output, output.numel(), group, n, tag)
+    out, shard = _dense(output), _dense(shard)
+    _before("all_gather", out, out.numel(), group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
         return _finish(None, async_op)
-    if dist.get_backend(group) == "gloo" and output.is_contiguous():
-        return _finish(_all_gather_by_broadcasts(output, shard, group, n), async_op)
-    work = _all_gather_flat(output, shard, group=group, async_op=True)
-    return _finish(work, async_op)
+    if dist.get_backend(group) == "gloo":
+        work = _all_gather_by_broadcasts(out, shard, group, n)
+    else:
+        work = _all_gather_flat(out, shard, group=group, async_op=True)
+    return _finish(work, async_op, _copy_back(None, output, out))
 
 
 def _all_gather_by_broadcasts(output, shard, group, n):
@@ -523,16 +369,17 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
+    mine, full = _dense(shard), _dense(full)
     _before("reduce_scatter", full, full.numel(), group, n, tag)
     if n == 1:
         shard.copy_(full.view_as(shard))
         return _finish(None, async_op)
     if dist.get_backend(group) == "gloo":
-        works, total = _reduce_scatter_by_exchange(shard, full, op, group, n)
-        return _finish(works, async_op, total)
-    work = _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    then = (lambda: shard.div_(n)) if op == "avg" else None
-    return _finish(work, async_op, then)
+        works, total = _reduce_scatter_by_exchange(mine, full, op, group, n)
+        return _finish(works, async_op, _copy_back(total, shard, mine))
+    work = _reduce_scatter_flat(mine, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    then = (lambda: mine.div_(n)) if op == "avg" else None
+    return _finish(work, async_op, _copy_back(then, shard, mine))
 
 
 def _reduce_scatter_by_exchange(shard, full, op, group, n):
@@ -584,11 +431,12 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
               tag: str = ""):
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
     n = group_size(group)
-    _before("broadcast", tensor, tensor.numel(), group, n, tag)
+    dense = _dense(tensor)
+    _before("broadcast", dense, dense.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)
-    work = dist.broadcast(tensor, src=_global(group, src), group=group, async_op=True)
-    return _finish(work, async_op)
+    work = dist.broadcast(dense, src=_global(group, src), group=group, async_op=True)
+    return _finish(work, async_op, _copy_back(None, tensor, dense))
 
 
 # ------------------------------------------------------------------------------ point to point
