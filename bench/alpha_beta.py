@@ -1,5 +1,5 @@
 """Measure the alpha-beta model of comm.all_reduce on this machine: ALPHA (seconds per message)
-and BETA (seconds per byte sent), the constants comm.py uses to pick an algorithm.
+and BETA (seconds per byte sent), the constants costs.py gives comm.py to pick an algorithm.
 
     python bench/alpha_beta.py [--reps 30]
 
@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minishard import comm
+from minishard import comm, costs
 from minishard.testing import RankPool
 
 SIZES = [8, 64, 512, 4096, 32768, 262144, 1 << 20, 4 << 20]  # bytes
@@ -54,8 +54,8 @@ def features(algorithm, n, nbytes):
 
 def crossovers(n, alpha, beta):
     """(bytes, algorithm) where the cheapest algorithm changes, scanning powers of two."""
-    saved = comm.ALPHA, comm.BETA
-    comm.ALPHA, comm.BETA = alpha, beta
+    saved = costs.ALPHA, costs.BETA  # the model's constants live in minishard/costs.py
+    costs.ALPHA, costs.BETA = alpha, beta
     try:
         out, last = [], None
         for log in range(2, 31):
@@ -65,7 +65,7 @@ def crossovers(n, alpha, beta):
                 last = best
         return out
     finally:
-        comm.ALPHA, comm.BETA = saved
+        costs.ALPHA, costs.BETA = saved
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ ledger's ``blocked_s``): the communication NOT hidden behind computation. Prefet
 how much of it disappears.
 
 "limit" is what this machine allows for the system's communication pattern, by the alpha-beta
-model of comm.py (ALPHA per message, BETA per byte sent, measured by bench/alpha_beta.py)::
+model of costs.py (ALPHA per message, BETA per byte sent, measured by bench/alpha_beta.py)::
 
     compute = floor's forward + backward + optimizer step (times 1/N when the optimizer
               state is sharded: stages 1-3, ZeroRedundancyOptimizer, FSDP)

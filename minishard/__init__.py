@@ -1,7 +1,8 @@
 """minishard: SyncBatchNorm and ZeRO-1/2/3 from raw torch.distributed collectives.
 
 Public names only; the modules tell the story:
-  comm.py     the one door to collectives, the Ledger that counts their bytes, the debug check
+  comm.py     the one door to collectives, and the debug check
+  costs.py    what a collective costs: the Ledger that counts its bytes, the alpha-beta model
   syncbn.py   SyncBatchNorm (autograd Function + module) and convert/revert helpers
   flat.py     FlatBuffer: a unit's parameters as views of one padded 1-D buffer
   units.py    construction: finding units, tied/shared parameters' owners, flat buffers

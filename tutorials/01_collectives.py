@@ -198,7 +198,7 @@ def main(rank: int, world: int) -> None:
     # running sum with rank r XOR 1, then r XOR 2, ...) sends log2 N messages of S bytes. For a
     # tensor of a few KiB (SyncBatchNorm's statistics) the messages are everything, so the fewest
     # win; for MiBs (ZeRO's buckets) the ring. ALPHA and BETA were measured on this machine
-    # (python bench/alpha_beta.py, see comm.py).
+    # (python bench/alpha_beta.py, see costs.py).
     alpha, beta = comm.ALPHA, comm.BETA
     small = torch.full((129,), float(rank), dtype=torch.float64)  # 2C+1 statistics, C = 64
     with minishard.ledger() as led:
