@@ -59,6 +59,19 @@ MUTANTS = {
           "        self._gathered_version = self.shard._version\n\n"
           "    def _send(self)")],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
+    "syncbn_second_pass_only_when_all_cancel": (
+        "SyncBatchNorm's centred second pass taken when ALL channels cancel instead of ANY",
+        [("minishard/syncbn.py", "if bool((bound * Q > M2).any()):",
+          "if bool((bound * Q > M2).all()):")],
+        ["tests/test_syncbn.py::test_one_cancelling_channel_takes_the_second_pass"]),
+    "strided_tensor_sent_in_storage_order": (
+        "a strided tensor handed to the backend as it is (a transposed buffer arrives scrambled)",
+        [("minishard/comm.py", "    return tensor if tensor.is_contiguous() else tensor.contiguous()",
+          "    return tensor"),
+         ("minishard/comm.py",
+          '    assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"\n',
+          "")],
+        ["tests/test_contiguous.py"]),
 }
 
 

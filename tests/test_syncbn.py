@@ -811,3 +811,37 @@ def test_layers_built_directly_can_be_named_by_their_path():
     wrapper = nn.Sequential(converted)  # a layer that already has a path keeps it
     name_sync_batchnorms(wrapper)
     assert (converted[0].path, converted[0].tag) == ("0", "SyncBatchNorm(2) 0")
+
+
+# ------------------------------------------- one cancelling channel beside plain ones (issue 28)
+def mixed_cancelling_channels(sizes, seed, cancelling):
+    """Channel 0 has mean 1e6 and std 1 in float32 (its pass-1 sums cancel) when ``cancelling``;
+    channels 1-2 are plain. The second, centred pass must run when ANY channel cancels: taken only
+    when ALL do, channel 0's variance keeps float64's u·mean² error (1e-4 relative). The oracle
+    is float64 BatchNorm on the SAME float32-rounded global batch."""
+    r, C = dist.get_rank(), 3
+    gen = torch.Generator().manual_seed(seed)
+    means = torch.tensor([1e6 if cancelling else 0.5, 0.0, 10.0], dtype=torch.float64)
+    stds = torch.tensor([1.0, 1.0, 3.0], dtype=torch.float64)
+    xs = [(torch.randn(n, C, 5, generator=gen, dtype=torch.float64) * stds.view(1, C, 1)
+           + means.view(1, C, 1)).float() for n in sizes]
+    ours = SyncBatchNorm(C, momentum=1.0)  # running_var = this batch's unbiased variance
+    oracle = nn.BatchNorm1d(C, momentum=1.0, dtype=torch.float64)
+    with comm.ledger() as led:
+        y = ours(xs[r])
+    y_all = oracle(torch.cat(xs).double())
+    lo = sum(sizes[:r])
+    err = (y.double() - y_all[lo:lo + sizes[r]]).abs().max().item() if sizes[r] else 0.0
+    var_err = ((ours.running_var.double() - oracle.running_var) / oracle.running_var).abs().max()
+    second = sum("second pass" in e.tag for e in led.entries)
+    return err, var_err.item(), second
+
+
+@pytest.mark.parametrize("ws,sizes", [(1, [6]), (2, [4, 3]), (3, [5, 0, 2]), (4, [1, 2, 3, 4])])
+def test_one_cancelling_channel_takes_the_second_pass(pools, ws, sizes):
+    for cancelling, passes in ((True, 1), (False, 0)):
+        for err, var_err, second in pools(ws).run(mixed_cancelling_channels, sizes, 3, cancelling):
+            assert second == passes, f"{second} second passes with cancelling={cancelling}"
+            # Measured with the right branch: output within 2e-7, variance within 1e-7 relative
+            # of float64 (the float32 output's own rounding); the wrong branch: 1.6e-4.
+            assert err <= 2e-6 and var_err <= 1e-6, (err, var_err)
