@@ -10,9 +10,9 @@ it runs" (zero.py's hooks ask for that; :meth:`Gatherer.gather` does it).
   known, a unit's gather also carries the units that run after it, up to about bucket_bytes.
 * **Lazy re-gathers** (stages 1-2): the optimizer step changes the shards, not the full
   buffers. The next forward notices (a shard's ``_version`` moved: ``flat.is_stale``) and
-  re-gathers every stale buffer, in forward order, coalesced into collectives of about
-  ``config.BUCKET_BYTES`` with at most ``MAX_GATHERS_IN_FLIGHT`` (and their staging buffers,
-  see ``flat.gather_params``) alive; each unit waits only for the gather that carries it.
+  re-gathers every stale buffer, in forward order, in buckets ([Note: buckets]; each in-flight
+  one holds a staging buffer, see ``flat.gather_params``); each unit waits only for the gather
+  that carries it.
 """
 from __future__ import annotations
 
