@@ -1,17 +1,28 @@
 """minishard: SyncBatchNorm and ZeRO-1/2/3 from raw torch.distributed collectives.
 
-Public names only; the modules tell the story:
-  comm.py     the one door to collectives, and the debug check
-  costs.py    what a collective costs: the Ledger that counts its bytes, the alpha-beta model
-  syncbn.py   SyncBatchNorm (autograd Function + module) and convert/revert helpers
-  flat.py     FlatBuffer: a unit's parameters as views of one padded 1-D buffer
-  units.py    construction: finding units, tied/shared parameters' owners, flat buffers
-  zero.py     the ZeRO engine's schedule, stages 0-3: hooks, reductions, gathers
-  state.py    checkpoints: per-rank shard files, atomic, reshardable; full optimizer export
-  memory.py   the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
-  testing.py  RankPool: warm gloo ranks for tests
-  launch.py   session(): set-up and clean tear-down for scripts started by torchrun
-  tour.py     torchrun --standalone --nproc_per_node=2 -m minishard.tour
+Public names only; the modules tell the story. Reading order for the ZeRO engine: zero.py (the
+schedule), unit.py (a unit's work), flat.py (the bytes), comm.py (the collectives); then the
+features, each in its own file:
+  comm.py            the one door to collectives, and the debug check
+  costs.py           what a collective costs: the Ledger that counts its bytes, the alpha-beta model
+  syncbn.py          SyncBatchNorm (autograd Function + module) and convert/revert helpers
+  zero.py            the ZeRO engine: the stage table, the four hooks, end of backward, public API
+  unit.py            a unit: its flat buffers, its parameters' places; gather, show, release
+  flat.py            FlatBuffer: a unit's parameters as views of one padded 1-D buffer; its shard
+  reductions.py      gradient reductions: buckets, in-flight limit, find_unused's order and bitmap
+  gathers.py         gathers beyond "just before it runs": order, prefetch, buckets, lazy re-gathers
+  config.py          ZeRO's arguments in full: checks, mesh groups, mixed precision, param groups
+  build.py           construction: finding units, tied/shared parameters' owners, flat buffers
+  deferred_init.py   materialising a meta-device model one module at a time
+  full_state.py      gathered(), full state dicts, the full optimizer state export
+  guards.py          misuse guards: released stage-3 parameters, module.parameters(), stale optimizers
+  meters.py          peaks, the event timeline, memory_report(), the wrap meter
+  verdicts.py        every rank raises together, or none does
+  state.py           checkpoints: per-rank shard files, atomic, reshardable (checkpoint_files.py)
+  memory.py          the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
+  testing.py         RankPool: warm gloo ranks for tests
+  launch.py          session(): set-up and clean tear-down for scripts started by torchrun
+  tour.py            torchrun --standalone --nproc_per_node=2 -m minishard.tour
 """
 from minishard import comm, launch, state
 from minishard.comm import ledger

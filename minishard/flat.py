@@ -16,12 +16,12 @@ The layout, for parameters a (3x2), b (3), c (5) and a group of 4 ranks::
     padding never reaches the optimizer's math, a norm or a state dict. Collectives need equal
     sizes on every rank, so they move the padded slice (``k`` elements); padding stays zero.
 
-Where the tensors live depends on how the engine asks for the buffer (see zero.py's stage table):
+Where the tensors live is the buffer's :class:`FlatMode` (zero.py's stage table picks it):
 
     mode      full params              shard Parameter                        optimizer sees
-    "none"    always (it IS the param)  full itself, unpadded                  the whole flat
-    "view"    always                    a view of full's own slice (no copy)   the shard
-    "own"     only while gathered       its own storage, padded to k           the shard
+    NONE      always (it IS the param)  full itself, unpadded                  the whole flat
+    VIEW      always                    a view of full's own slice (no copy)   the shard
+    OWN       only while gathered       its own storage, padded to k           the shard
 
 ``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the ranks
 of one node, say) and that whole group is replicated R times (once per node). Replicas hold identical
@@ -32,10 +32,12 @@ over all R·S ranks, having crossed nodes only as a 1/S-sized piece::
     per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
 
 ``mixed precision`` (``param_dtype``): full is kept in the compute dtype and the shard is an fp32
-master copy with storage of its own; gathers send the shard cast to ``param_dtype``.
+master copy with storage of its own; gathers send the shard cast to ``param_dtype``. So a VIEW
+buffer becomes OWN under a cast, decided where it is built (:meth:`FlatMode.under_cast`).
 """
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -43,7 +45,20 @@ from torch import nn
 
 from minishard import comm
 
-__all__ = ["FlatBuffer", "gather_params", "reduce_grads"]
+__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads"]
+
+
+class FlatMode(str, enum.Enum):
+    """Where a flat buffer's full tensor and shard live (the table in the module docstring).
+    A ``str`` enum: ``FlatMode.VIEW == "view"``, so the old spellings still compare equal."""
+    NONE = "none"  # not sharded (stage 0): full IS the parameter
+    VIEW = "view"  # full always kept; the shard is a view of this rank's slice of it
+    OWN = "own"    # the shard owns its storage; full exists only while gathered
+
+    def under_cast(self, cast: bool) -> "FlatMode":
+        """The mode to build when full holds another dtype than the master (mixed precision):
+        a bf16 full buffer cannot hold the fp32 master, so a VIEW shard must own its storage."""
+        return FlatMode.OWN if self is FlatMode.VIEW and cast else self
 
 
 class FlatBuffer:
@@ -51,11 +66,12 @@ class FlatBuffer:
     ``full``, this rank's ``shard`` of it, and the collectives that move between the two
     (the layout and the three modes are drawn in the module docstring)."""
 
-    def __init__(self, params: list[torch.Tensor], group=None, *, mode: str = "own",
+    def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode | str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "",
                  replicate_group=None, device: torch.device | None = None) -> None:
-        assert mode in ("none", "view", "own"), mode
-        assert mode != "none" or replicate_group is None, "stage 0 reduces over every rank at once"
+        mode = FlatMode(mode)
+        assert mode is not FlatMode.NONE or replicate_group is None, \
+            "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
@@ -66,10 +82,10 @@ class FlatBuffer:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
-        ranks = 1 if mode == "none" else self.world
+        ranks = 1 if mode is FlatMode.NONE else self.world
         self.padded_numel = math.ceil(self.numel / ranks) * ranks
         self.shard_numel = self.padded_numel // ranks               # k: what each rank sends
-        start = 0 if mode == "none" else self.rank * self.shard_numel
+        start = 0 if mode is FlatMode.NONE else self.rank * self.shard_numel
         self.shard_start = start
         self.shard_real = max(0, min(self.shard_numel, self.numel - start))  # without padding
 
@@ -77,21 +93,23 @@ class FlatBuffer:
         # rank keeps is laid out on ``device`` as zeros, and write_param() fills it in.
         deferred = first.is_meta
         cast = self.param_dtype != self.dtype
-        if mode == "view" and cast:
-            mode = self.mode = "own"  # a bf16 full buffer cannot hold the fp32 master: own it
+        if mode.under_cast(cast) is not mode:
+            raise ValueError(f"FlatBuffer {name!r}: a {mode.name} shard cannot hold the master "
+                             f"dtype in a {self.param_dtype} full buffer; build the mode "
+                             "FlatMode.under_cast() gives")
         with torch.no_grad():
-            if deferred:  # mode "own" keeps only the shard: no full-size zeros for it
-                values = None if mode == "own" else torch.zeros(
+            if deferred:  # mode OWN keeps only the shard: no full-size zeros for it
+                values = None if mode is FlatMode.OWN else torch.zeros(
                     self.padded_numel, dtype=self.dtype, device=device)
             else:
                 values = torch.zeros(self.padded_numel, dtype=self.dtype, device=first.device)
                 torch.cat([p.detach().reshape(-1) for p in params], out=values[:self.numel])
-        if mode == "none":
+        if mode is FlatMode.NONE:
             self.full = nn.Parameter(values if not cast else values.to(self.param_dtype),
                                      requires_grad=self.requires_grad)
             self.shard = self.full if not cast else nn.Parameter(values, self.requires_grad)
             self._shard_padded = self.shard.data
-        elif mode == "view":
+        elif mode is FlatMode.VIEW:
             self.full = values.requires_grad_(self.requires_grad)
             self._shard_padded = self.full.data[start:start + self.shard_numel]
             self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
@@ -113,6 +131,24 @@ class FlatBuffer:
         """The parameters, shaped as the module expects, as views of ``full`` (autograd-aware)."""
         pieces = torch.split(self.full, self.numels + [self.padded_numel - self.numel])
         return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Unpadded full ``values`` (``numel`` elements, e.g. gathered masters) as views shaped
+        like the parameters."""
+        return [piece.view(shape) for piece, shape in zip(torch.split(values, self.numels),
+                                                          self.shapes)]
+
+    def detached_views(self) -> list[torch.Tensor]:
+        """:meth:`views` outside autograd: what the module shows between steps."""
+        with torch.no_grad():
+            return [v.detach() for v in self.views()]
+
+    def held_range(self) -> tuple[int, int]:
+        """The unpadded range [lo, hi) of the flat that the shard Parameter holds (NONE: all)."""
+        if self.mode is FlatMode.NONE:
+            return 0, self.numel
+        lo = min(self.shard_start, self.numel)
+        return lo, lo + self.shard_real
 
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
@@ -169,11 +205,11 @@ class FlatBuffer:
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into ``full`` (allocating it if it was freed)."""
-        if self.mode == "none" and self.param_dtype == self.dtype:
+        if self.mode is FlatMode.NONE and self.param_dtype == self.dtype:
             return
         self._start_gather()
         with torch.no_grad():
-            if self.mode == "none":  # mixed precision without sharding: just cast
+            if self.mode is FlatMode.NONE:  # mixed precision without sharding: just cast
                 self.full.data.copy_(self.shard.data)
             else:
                 self._pending = comm.all_gather(self.full.data, self._send(), self.group,
@@ -208,7 +244,7 @@ class FlatBuffer:
     def push_to_shard(self) -> None:
         """Copy this rank's slice of ``full`` into the shard (after someone edited ``full``)."""
         with torch.no_grad():
-            if self.mode != "view":  # in "view" mode the shard already IS that slice
+            if self.mode is not FlatMode.VIEW:  # a VIEW shard already IS that slice
                 sl = self.full.data[self.shard_start:self.shard_start + self.shard_real]
                 self.shard.data.copy_(sl)
         self._gathered_version = self.shard._version
@@ -217,7 +253,7 @@ class FlatBuffer:
         """Every rank's ``shard_like`` (shaped like this rank's shard: the master values, or an
         optimizer state such as Adam's ``exp_avg``) joined into a new tensor of ``numel``
         elements, no padding: what state dicts need, whatever the stage or mixed precision."""
-        if self.mode == "none":  # every rank already holds all of it
+        if self.mode is FlatMode.NONE:  # every rank already holds all of it
             return shard_like.detach()[:self.numel].clone()
         send = shard_like.new_zeros(self.shard_numel)  # collectives need equal sizes: pad to k
         send[:self.shard_real] = shard_like.detach()
@@ -247,8 +283,8 @@ class FlatBuffer:
 
     def add_shard_grad(self, piece: torch.Tensor) -> None:
         """Accumulate this rank's reduced slice (``piece``: k elements, or the whole flat in mode
-        "none") into ``shard.grad``, padding dropped, in the master dtype."""
-        g = (piece if self.mode == "none" else piece[:self.shard_real]).to(self.dtype)
+        NONE) into ``shard.grad``, padding dropped, in the master dtype."""
+        g = (piece if self.mode is FlatMode.NONE else piece[:self.shard_real]).to(self.dtype)
         if self.shard.grad is None:
             self.shard.grad = g
         else:
@@ -288,7 +324,7 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
         for flat, piece in zip(flats, pieces):
             rows = flat.full.data.view(n, -1)
             for j in range(n):
-                if j != r or flat.mode != "view":  # in "view" mode row r IS the shard already
+                if j != r or flat.mode is not FlatMode.VIEW:  # a VIEW shard IS row r already
                     rows[j].copy_(piece[j])
 
     shared = comm.Handle(then=land)
@@ -303,7 +339,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     (hybrid sharding), waiting also all-reduces (avg) the reduced slices across them: the mean
     of S-rank means over R replicas is the mean over all R·S ranks.
 
-    Mode "none" (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
+    Mode NONE (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
     after which each rank keeps its slice of every buffer. For that, each rank's slices of the
     buffers must sit side by side in the buffer we send::
 
@@ -316,7 +352,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     first = flats[0]
     grads = [f.take_grad(reduce_dtype) for f in flats]
     tag = "+".join(f.name for f in flats)
-    if first.mode == "none":
+    if first.mode is FlatMode.NONE:
         send = grads[0] if len(grads) == 1 else torch.cat(grads)
         handle = comm.all_reduce(send, "avg", first.group, async_op=True, tag=tag)
         out, sizes = send, [f.padded_numel for f in flats]

@@ -39,7 +39,7 @@ MUTANTS = {
         ["tests/test_training.py::test_clip_grad_norm_matches_torch_on_the_unsharded_model"]),
     "zero_grads_for_unused": (
         "a flat buffer no rank used gets a zero gradient (Adam, momentum, decay then move it)",
-        [("minishard/zero.py", "if flat.requires_grad and flat.full.grad is not None:",
+        [("minishard/reductions.py", "if flat.requires_grad and flat.full.grad is not None:",
           "if flat.requires_grad:")],
         ["tests/test_differential.py"]),
     "ledger_without_(N-1)/N": (

@@ -149,15 +149,15 @@ def try_save_over(ckpt, overwrite=False):
 
 def load_recording_reads(ckpt):
     """Load, and return the files this rank opened."""
-    import minishard.state as state
-    opened, read = [], state._read
-    state._read = lambda file, expect=None: (opened.append(os.path.basename(file)),
-                                             read(file, expect))[1]
+    import minishard.checkpoint_files as files
+    opened, read = [], files.read_checked
+    files.read_checked = lambda file, expect=None: (opened.append(os.path.basename(file)),
+                                                    read(file, expect))[1]
     try:
         model, opt = make(3, "adam")
         load_checkpoint(ckpt, model, opt)
     finally:
-        state._read = read
+        files.read_checked = read
     return sorted(opened)
 
 

@@ -756,7 +756,7 @@ def test_prefetch_is_bitwise_identical_same_bytes_bounded_peak(
 
 def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
     """Stages 0-2 coalesce reductions (0-1) and the re-gathers after a step (1-2) into
-    collectives of about zero._BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
+    collectives of about config.BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
     huge one everything travels together; both must train like the oracle."""
     ws = dist.get_world_size()
     base = make_model(cfg)
@@ -764,7 +764,7 @@ def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
     oracle, *_ = oracle_train(base, data, adam())
     calls = {}
     for cap in (1, 2**40):
-        with unittest.mock.patch.object(minishard.zero, "_BUCKET_BYTES", cap):
+        with unittest.mock.patch.object(minishard.config, "BUCKET_BYTES", cap):
             model, _, _, _, led = train_zero(base, cfg, stage, data, adam())
         assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
         calls[cap] = (led.count("all_reduce" if stage == 0 else "reduce_scatter"),

@@ -1,0 +1,184 @@
+"""Construction: from a plain ``nn.Module`` to units whose parameters live in flat buffers.
+
+This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
+
+1. **Which modules are units.** ``units=`` is a class, a collection of classes or a predicate;
+   the root is always a unit (it owns whatever no other unit owns).
+2. **Where every parameter appears.** A parameter may appear under several names: tied weights
+   (``head.weight is emb.weight``) and one module object reachable by two paths
+   (``b1.shared is b2.shared``). Every appearance is a :class:`~minishard.unit.Place`.
+3. **Who owns it.** A parameter goes to the innermost unit that contains ALL its appearances,
+   so a shared weight is never split across units and never duplicated::
+
+       root ── b1 (unit) ── shared (Linear)        shared.weight is used under b1 and under b2:
+            └─ b2 (unit) ── shared (same object)   its owner is the root, gathered while both run
+
+4. **Flat buffers.** A unit's parameters are grouped by (dtype, requires_grad, param group) and
+   each group becomes one :class:`~minishard.flat.FlatBuffer`. The module's ``_parameters``
+   entries are removed: from now on its attributes are set by the unit (unit.py, ``show_*``).
+5. **Values.** An eager model's values are broadcast from rank 0 first; a model with tensors on
+   the meta device is materialised into the flat buffers one module at a time
+   (deferred_init.py).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from minishard import comm
+from minishard.deferred_init import DeferredInit, default_device, has_meta_tensors, materialize
+from minishard.flat import FlatBuffer, FlatMode
+from minishard.meters import WrapMeter, storage_bytes
+from minishard.unit import Place, Unit, is_inside
+
+__all__ = ["unit_predicate", "build_units", "sync_initial_state"]
+
+
+def unit_predicate(units) -> Callable[[nn.Module], bool]:
+    """``units=`` as a predicate: None (only the root), a class or classes, or a predicate."""
+    if units is None:
+        return lambda m: False
+    if callable(units) and not isinstance(units, type):
+        return units
+    classes = tuple(units) if isinstance(units, Iterable) else (units,)
+    return lambda m: isinstance(m, classes)
+
+
+def sync_initial_state(module: nn.Module, group) -> None:
+    """Rank 0's values, broadcast: every rank starts from identical parameters and buffers."""
+    with torch.no_grad():
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            comm.broadcast(t.data, 0, group, tag=f"init {name}")
+
+
+def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
+                param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
+                device=None, param_init_fn=None, meter: WrapMeter | None = None) -> list[Unit]:
+    """Find the units of ``root`` (``units=`` as ZeRO takes it), give every parameter to its
+    owner, build the flat buffers on ``groups`` (config.Groups) and fill them.
+
+    ``group_of(p)`` is the optimizer param group a parameter belongs to (0 when the user gave
+    none): parameters of different groups never share a flat buffer, so each shard belongs to
+    exactly one group. Tensors on the meta device are materialised on ``device`` by
+    ``param_init_fn`` (deferred_init.py)."""
+    deferred = None
+    if has_meta_tensors(root):  # materialised below, broadcast from rank 0
+        deferred = DeferredInit(torch.device(device) if device else default_device(),
+                                param_init_fn)
+    else:
+        sync_initial_state(root, groups.every)
+    meter = meter or WrapMeter()
+    meter.hold(storage_bytes(list(root.parameters()) + list(root.buffers())))
+    # Every path to every module (a module reachable by two paths appears twice).
+    paths = list(root.named_modules(remove_duplicate=False))
+    names, unit_paths = _find_units(root, paths, unit_predicate(units))
+    places = _places(paths)
+    owner = _owners(places, unit_paths)
+    built = []
+    for uname in names:  # registration order, root first
+        unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
+        mine = [p for p in places if owner[p] == uname]
+        _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, deferred, meter)
+        unit.module._minishard_unit = unit.name
+        built.append(unit)
+        if deferred is None:  # eager: free this unit's original tensors before the next unit
+            _release_originals(unit, meter)
+    if deferred is not None:
+        materialize(root, built, groups.every, deferred, meter)  # every rank: replicas agree
+        for unit in built:
+            _release_originals(unit, meter)
+    return built
+
+
+def _find_units(root, paths, is_unit) -> tuple[list[str], dict[str, str]]:
+    """(the units' names in registration order, root "" first; {module path: the name of the
+    unit at that path}). A module is ONE unit, named by its first path; its other paths lead
+    to it too."""
+    unit_of_module: dict[int, str] = {id(root): ""}
+    for name, m in paths:
+        if name and id(m) not in unit_of_module and is_unit(m):
+            unit_of_module[id(m)] = name
+    unit_paths = {name: unit_of_module[id(m)] for name, m in paths if id(m) in unit_of_module}
+    return list(dict.fromkeys(unit_of_module.values())), unit_paths
+
+
+def _places(paths) -> dict[nn.Parameter, list[Place]]:
+    """Every place each parameter appears (tied weights and shared modules: more than once)."""
+    places: dict[nn.Parameter, list[Place]] = {}
+    for mname, m in paths:
+        for attr, p in m._parameters.items():
+            if p is not None:
+                places.setdefault(p, []).append(Place(m, attr, f"{mname}.{attr}" if mname
+                                                      else attr))
+    return places
+
+
+def _owners(places, unit_paths: dict[str, str]) -> dict[nn.Parameter, str]:
+    """Owner: the innermost unit that contains ALL appearances. Walk up from the first one's
+    unit until some path of the candidate contains every other appearance."""
+    def unit_of(module_path: str) -> str:
+        """The innermost unit containing the module at this path (its canonical name)."""
+        best = ""
+        for path, canonical in unit_paths.items():
+            if path and is_inside(module_path, path) and len(path) > len(best):
+                best = path
+        return unit_paths[best]
+
+    def scope_of(unit_name: str) -> list[str]:
+        return [p for p, c in unit_paths.items() if c == unit_name]
+
+    owner: dict[nn.Parameter, str] = {}
+    for p, where in places.items():
+        users = [pl.fqn.rsplit(".", 1)[0] if "." in pl.fqn else "" for pl in where]
+        common = unit_of(users[0])
+        while not all(any(is_inside(u, s) for s in scope_of(common)) for u in users):
+            above = scope_of(common)[0]
+            common = unit_of(above.rsplit(".", 1)[0]) if "." in above else ""
+        owner[p] = common
+    return owner
+
+
+def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dtype, group_of,
+               deferred: DeferredInit | None, meter: WrapMeter) -> None:
+    """One flat buffer per (dtype, requires_grad, param group) of ``unit``'s parameters."""
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:  # deferred init puts every parameter on one device, real ones too
+        device = deferred.device if deferred else p.device
+        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device), []).append(p)
+    devices = {key[3] for key in buckets}
+    if len(devices) > 1:
+        raise ValueError(
+            f"ZeRO: unit {unit.name!r} has parameters on several devices "
+            f"{sorted(map(str, devices))}; a unit's flat buffer lives on one device. Move the "
+            "module to one device (module.to(device)) or make the submodules on other devices "
+            "units of their own.")
+    for (dtype, rg, pg, _), ps in buckets.items():
+        tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
+               f"{f'/group{pg}' if pg else ''}")
+        compute = param_dtype if dtype.is_floating_point else None
+        cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
+        layout = [p.to("meta") for p in ps] if deferred else ps  # values later
+        flat = FlatBuffer(layout, groups.shard, mode=FlatMode(flat_mode).under_cast(cast),
+                          param_dtype=compute, name=tag, replicate_group=groups.replicate,
+                          device=deferred and deferred.device)
+        flat.param_group = pg  # which optimizer param group its shard belongs to
+        unit.add_flat(flat, [places[p] for p in ps])
+        meter.hold(flat.held_bytes())
+        if deferred and not flat.is_gathered:  # flat.py allocated full and freed it at once
+            meter.hold(flat.full_bytes())
+            meter.drop(flat.full_bytes())
+
+
+def _release_originals(unit: Unit, meter: WrapMeter) -> None:
+    """The module's parameters are now in the flat buffers: take them out of the module, free
+    their storage, and mark them (to catch an optimizer built before wrapping)."""
+    for param in unit.params():
+        first = param.places[0]
+        p = first.module._parameters[first.attr]
+        for place in param.places:
+            place.module._parameters.pop(place.attr, None)
+        meter.drop(storage_bytes([p]))
+        p._minishard_replaced = True
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)

@@ -1,0 +1,181 @@
+"""A checkpoint's files on disk: written atomically, read back checked, complete or not.
+
+state.py decides WHAT goes into a checkpoint (each rank's slices of the flat buffers, then
+``meta.pt``); this file knows the directory's layout and guarantees::
+
+    a checkpoint directory is COMPLETE  iff  meta.pt exists and lists files whose sizes
+    (and sha256) match.
+
+Every file is written to a temporary name in the same directory, flushed to disk and
+``os.replace``-d into place (:func:`atomic_save`), so a file is either absent or whole; every
+file is read back with ``torch.load(..., weights_only=True)`` (:func:`read_checked`): loading a
+checkpoint never runs code from it. Nothing here is collective.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import os
+import pickle
+import re
+
+import torch
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
+           "saved_range", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint"]
+
+FORMAT_VERSION = 1
+META = "meta.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, damaged, or does not fit the model it is loaded into."""
+
+
+def checkpoint_path(root: str | os.PathLike, step: int) -> str:
+    """``root/step-000042``: one fresh directory per step, so a crash never touches the last good
+    one (names sort in step order; :func:`latest_checkpoint` relies on that)."""
+    return os.path.join(os.fspath(root), f"step-{step:06d}")
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"rank{rank}-of-{world_size}.pt"
+
+
+def saved_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The unpadded range of a flat of ``numel`` elements that ``rank`` of ``world_size`` saves:
+    its shard at stages 1-3 (flat.py pads to N*k; the padding is never saved)."""
+    k = math.ceil(numel / world_size)
+    lo = min(rank * k, numel)
+    return lo, min(lo + k, numel)
+
+
+def atomic_save(obj, final: str) -> tuple[int, bytes]:
+    """``torch.save`` to a temporary name in the same directory, fsync, ``os.replace``: readers
+    see the old file or the whole new one, never half of it. Returns (byte size, sha256)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)  # atomic on POSIX and Windows, within one filesystem
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    try:  # make the rename itself durable
+        fd = os.open(os.path.dirname(final) or ".", os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some platforms cannot fsync a directory
+    return len(data), hashlib.sha256(data).digest()
+
+
+def read_checked(file: str, expect: dict | None = None):
+    """``torch.load(weights_only=True)`` one file; with ``expect`` ({"bytes", "sha256"} from
+    meta.pt), first check that it is the very file the checkpoint recorded."""
+    with open(file, "rb") as fh:
+        data = fh.read()
+    if expect is not None:
+        if len(data) != expect["bytes"]:
+            raise CheckpointError(_size_problem(file, len(data), expect["bytes"]))
+        if hashlib.sha256(data).hexdigest() != expect["sha256"]:
+            raise CheckpointError(
+                f"{file} does not match the sha256 recorded in meta.pt: it was corrupted or "
+                "overwritten after the checkpoint was saved. Load an earlier checkpoint.")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(
+            f"refusing to load {file}: it holds Python objects other than tensors and plain "
+            "containers, and minishard loads with torch.load(weights_only=True), which never runs "
+            "code from a file. save_checkpoint never writes such objects: this file was not "
+            f"written by minishard, or was tampered with. ({str(exc).splitlines()[0]})") from exc
+    except Exception as exc:
+        raise CheckpointError(
+            f"{file} could not be read ({type(exc).__name__}: {str(exc).splitlines()[0]}): it is "
+            "truncated or corrupted. Load an earlier checkpoint (latest_checkpoint(root)).") from exc
+
+
+def _size_problem(file: str, size: int, recorded: int) -> str:
+    return (f"{file} has {size} bytes but meta.pt recorded {recorded}: it is truncated or was "
+            "overwritten after the checkpoint was saved. Load an earlier checkpoint "
+            "(latest_checkpoint(root) skips damaged ones).")
+
+
+def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
+    """Return the metadata of the checkpoint at ``path`` if it is complete; otherwise raise a
+    :class:`CheckpointError` that names what is wrong. Complete: meta.pt exists, is readable, and
+    every rank file it lists exists with the recorded size (and sha256, with ``checksums``).
+    Not collective: any process may call it."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"no checkpoint at {path}: no such directory")
+    meta_file = os.path.join(path, META)
+    if not os.path.exists(meta_file):
+        raise CheckpointError(
+            f"checkpoint at {path} is incomplete: {META} is missing. It was probably interrupted "
+            f"while saving ({META} is written last, once every rank's file is in place). Load the "
+            "previous one: latest_checkpoint(root) returns the newest complete checkpoint.")
+    meta = read_checked(meta_file)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise CheckpointError(f"{meta_file} has format version {found!r}; this minishard reads "
+                              f"version {FORMAT_VERSION}")
+    world = meta["world_size"]
+    names = [f["name"] for f in meta["files"]]
+    expected = [shard_file_name(r, world) for r in range(world)]
+    if names != expected:
+        raise CheckpointError(
+            f"checkpoint at {path} is inconsistent: {META} says world size {world}, so it should "
+            f"list the files {expected}, but it lists {names}. Its metadata does not describe its "
+            "files; load an earlier checkpoint.")
+    for flat in meta["flats"]:
+        ranges = [tuple(r) for r in flat["ranges"]]
+        if ranges != [saved_range(flat["numel"], world, r) for r in range(world)]:
+            raise CheckpointError(
+                f"checkpoint at {path} is inconsistent: {META} says world size {world}, but flat "
+                f"{flat['name']!r} was cut into the ranges {ranges}. Load an earlier checkpoint.")
+    for info in meta["files"]:
+        file = os.path.join(path, info["name"])
+        if not os.path.exists(file):
+            raise CheckpointError(f"checkpoint at {path} is incomplete: {info['name']} is missing. "
+                                  "Load the previous one (latest_checkpoint(root)).")
+        if os.path.getsize(file) != info["bytes"]:
+            raise CheckpointError(_size_problem(file, os.path.getsize(file), info["bytes"]))
+        if checksums:
+            with open(file, "rb") as fh:
+                if hashlib.sha256(fh.read()).hexdigest() != info["sha256"]:
+                    raise CheckpointError(f"{file} does not match the sha256 recorded in {META}: "
+                                          "it was corrupted after saving. Load an earlier one.")
+    return meta
+
+
+def _natural_key(name: str) -> list:
+    # re.split with a group puts the digit runs at the odd positions: ints compare with ints.
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str | None:
+    """The newest COMPLETE checkpoint directory under ``root`` (by name, numbers compared as
+    numbers: ``step-10`` after ``step-9``), or None. Incomplete or damaged ones are skipped:
+    sizes are checked always, sha256 only with ``checksums`` (it reads every byte).
+    Not collective."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return None
+    names = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
+    for name in sorted(names, key=_natural_key, reverse=True):
+        try:
+            check_checkpoint(os.path.join(root, name), checksums=checksums)
+            return os.path.join(root, name)
+        except CheckpointError:
+            continue
+    return None

@@ -1,0 +1,204 @@
+"""Configuration: ``minishard.ZeRO``'s arguments in full, checked before any collective can hang.
+
+The arguments, beyond ``module`` and ``stage`` (zero.py's table):
+
+units
+    ``None`` (the whole module is one unit), a module class or a collection of classes (every
+    matching submodule is its own unit), or a predicate ``fn(module) -> bool``. A parameter
+    belongs to the innermost unit that contains every module using it (build.py). Each unit is
+    one collective per gather and per reduction: on gloo over loopback a collective costs about
+    0.8 ms of CPU per call on top of its bytes, so there units of several MiB train faster than
+    many small ones (bench/RESULTS.md, "Where stage 3's time goes").
+process_group / mesh
+    The ranks to shard over (default: all), or a ``DeviceMesh``. 1-D: the same as its process
+    group. 2-D, dims (replicate, shard) as in FSDP2 (:func:`resolve_groups`): hybrid sharding.
+    Stages 1-3 cut every flat buffer across the shard dim (the ranks of one node) and replicate
+    it across dim 0 (the nodes): gathers stay inside the shard group; a gradient is
+    reduce-scattered (avg) there, then its shard all-reduced (avg) across the replicas. Stage 0
+    all-reduces over every rank. Per rank per step, stage 3 with R nodes of S ranks:
+    3Ψ(S-1)/S inside a node and 2(Ψ/S)(R-1)/R across nodes, instead of 3Ψ(RS-1)/(RS).
+mixed_precision
+    A :class:`MixedPrecision` (default: compute in the parameters' dtype).
+prefetch
+    Issue the next unit's all-gather asynchronously while this one computes (gathers.py).
+bucket_bytes
+    Stages 2-3: move consecutive units together, up to about this many bytes per collective
+    (zero.py, [Note: buckets]). 0 (the default): one collective per unit.
+param_groups
+    Optimizer parameter groups over the ORIGINAL parameters, as you would pass them to
+    ``torch.optim`` for the unwrapped model (``[{"params": [...], "weight_decay": 0.0}, ...]``).
+    Parameters of different groups get different flat buffers; ``model.param_groups()`` returns
+    the same groups over the shards. Parameters not listed form a last group with no options.
+find_unused_parameters
+    Stages 0-2: allow a unit to get a gradient on SOME ranks only in a step (a data-dependent
+    branch); reductions.py, [Note: find_unused]. Without it (the default, as DDP's), every rank
+    must reach the same units in backward; a unit that none reached keeps ``grad=None``.
+device / param_init_fn
+    Deferred init (deferred_init.py): where meta tensors are materialised (default: the current
+    CUDA device if there is one, else the CPU), and ``fn(module)`` initialising a module's OWN
+    meta tensors (FSDP1's argument; default: the module's ``reset_parameters()``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from minishard import comm
+
+__all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "check_same_config",
+           "param_group_index", "shard_param_groups", "cast_buffers", "cast_inputs",
+           "BUCKET_BYTES"]
+
+# Stages 0-1 reductions and stages 1-2 re-gathers travel in collectives of about this many
+# bytes (zero.py, [Note: buckets]). Read where it is used, at the time it is used.
+BUCKET_BYTES = 4 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep buffers in
+    ``buffer_dtype``; the shards the optimizer owns stay in the parameters' own dtype (the fp32
+    master copy). Parameters are cast BEFORE the all-gather, so gathers move param_dtype bytes.
+    BatchNorm buffers (running statistics) are never cast: they stay fp32."""
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+
+
+def cast_inputs(tree, dtype: torch.dtype):
+    """Mixed precision: the root unit's floating inputs (positional and keyword) in ``dtype``."""
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point()
+                    else t, tree)
+
+
+def cast_buffers(module: nn.Module, dtype: torch.dtype | None) -> None:
+    """Mixed precision's ``buffer_dtype``; BatchNorm running statistics stay fp32."""
+    if dtype is None:
+        return
+    for m in module.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point():
+                m._buffers[name] = b.to(dtype)
+
+
+# ------------------------------------------------------------------------------ the groups
+@dataclasses.dataclass(frozen=True)
+class Groups:
+    """The process groups one engine talks on (None: the default group, every rank)."""
+    shard: object      # the ranks a flat buffer is cut across (stage 0: every rank)
+    replicate: object  # the ranks holding the same shard, or None when there are no replicas
+    every: object      # every rank of the engine: the config check and the initial broadcast
+
+
+def resolve_groups(mesh, process_group, stage: int) -> Groups:
+    """``mesh=`` or ``process_group=`` as the groups of one engine, checked before any collective
+    could hang. A 2-D mesh is (replicate, shard), FSDP2's hybrid convention::
+
+        init_device_mesh("cpu", (2, 3))   ranks [[0 1 2]     shard groups: the rows {0,1,2} {3,4,5}
+                                                 [3 4 5]]    replicate groups: the columns {0,3} ...
+    """
+    if mesh is None:
+        return Groups(process_group, None, process_group)
+    from torch.distributed.device_mesh import DeviceMesh
+    if process_group is not None:
+        raise ValueError("ZeRO: pass mesh= or process_group=, not both (a mesh carries its groups)")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"ZeRO: mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                        f"{type(mesh).__name__}; for a plain process group pass process_group=")
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"ZeRO: this rank (global rank {torch.distributed.get_rank()}) is not in "
+                         f"the mesh {mesh.mesh.tolist()}; build the engine on the mesh's ranks only")
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        return Groups(group, None, group)
+    if mesh.ndim != 2 or mesh.size() != torch.distributed.get_world_size():
+        raise ValueError(
+            f"ZeRO: mesh {mesh.mesh.tolist()} has {mesh.ndim} dims over {mesh.size()} of the "
+            f"{torch.distributed.get_world_size()} ranks; minishard takes a 1-D mesh, or a 2-D "
+            "(replicate, shard) mesh over every rank of the job, e.g. init_device_mesh(\"cpu\", "
+            "(nodes, ranks_per_node), mesh_dim_names=(\"replicate\", \"shard\"))")
+    if stage == 0:  # nothing is sharded: one all-reduce over every rank, as DDP
+        return Groups(None, None, None)
+    replicate = mesh.get_group(0) if mesh.size(0) > 1 else None
+    return Groups(mesh.get_group(1), replicate, None)
+
+
+# ----------------------------------------------------------------------------- the checks
+def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, process_group,
+                    mesh, find_unused: bool, bucket_bytes: int) -> Groups:
+    """Every check that needs no collective, in this order; returns the engine's groups.
+    ``policy`` is zero.py's row for ``stage`` (None: no such stage)."""
+    if policy is None:
+        raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
+    if any(isinstance(m, engine_type) or getattr(m, "_minishard_unit", None)
+           for m in module.modules()):
+        raise ValueError(
+            "ZeRO: this module (or one of its submodules) is already wrapped by minishard.ZeRO. "
+            "Wrap a module once; to change the stage, wrap a fresh copy of the original model.")
+    if find_unused and policy.free_after_forward:
+        raise ValueError(
+            "ZeRO: find_unused_parameters=True cannot work at stage 3: every unit gathers its "
+            "parameters in forward and again in backward, so every rank must run the same units "
+            "and send gradients through the same ones. Use stage 2 for data-dependent branches, "
+            "or make every rank take the same branch.")
+    comm.check_member(process_group, "ZeRO")
+    groups = resolve_groups(mesh, process_group, stage)
+    if bucket_bytes < 0:
+        raise ValueError(f"ZeRO: bucket_bytes must be >= 0, got {bucket_bytes!r}")
+    return groups
+
+
+def check_same_config(module: nn.Module, stage: int, group) -> None:
+    """Ranks that disagree on the stage or the model would deadlock later in mismatched
+    collectives; compare a small fingerprint now (MAX of x and of -x gives max and min)."""
+    params = list(module.parameters())
+    meta = sum(t.is_meta for t in params + list(module.buffers()))  # deferred init: a walk
+    mine = torch.tensor([stage, sum(p.numel() for p in params), len(params), meta],
+                        dtype=torch.float64)                  # of broadcasts on every rank
+    both = torch.cat([mine, -mine])
+    comm.all_reduce(both, "max", group, tag="ZeRO config check")
+    hi, lo = both[:4], -both[4:]
+    if not torch.equal(hi, lo):
+        raise RuntimeError(
+            f"ZeRO: ranks disagree on the configuration (stage, parameter count, number of "
+            f"parameter tensors, tensors on the meta device): this rank has "
+            f"{mine.long().tolist()}, the ranks range from "
+            f"{lo.long().tolist()} to {hi.long().tolist()}. Every rank must wrap the same model "
+            "with the same stage.")
+
+
+# ------------------------------------------------------------------------ optimizer groups
+def param_group_index(module: nn.Module, param_groups: list[dict] | None):
+    """``param_groups`` over the original parameters -> (group index of a parameter, each
+    group's options). Parameters not listed go to one last group with no options."""
+    if param_groups is None:
+        return (lambda p: 0), [{}]
+    mine = {id(p) for p in module.parameters()}
+    index: dict[int, int] = {}
+    for i, group in enumerate(param_groups):
+        params = group["params"]
+        for p in [params] if isinstance(params, torch.Tensor) else list(params):
+            if id(p) not in mine:
+                raise ValueError(f"ZeRO: param_groups[{i}] holds a tensor that is not a parameter "
+                                 "of the module being wrapped; list the module's own parameters")
+            if index.setdefault(id(p), i) != i:
+                raise ValueError(f"ZeRO: a parameter is in param_groups[{index[id(p)]}] and "
+                                 f"param_groups[{i}]; list each parameter in one group")
+    options = [{k: v for k, v in g.items() if k != "params"} for g in param_groups] + [{}]
+    rest = len(param_groups)
+    return (lambda p: index.get(id(p), rest)), options
+
+
+def shard_param_groups(units, options: list[dict]) -> list[dict]:
+    """``model.param_groups()``: the groups given when wrapping, over the shards (each flat
+    buffer belongs to exactly one group); empty groups left out."""
+    groups = [{**o, "params": []} for o in options]
+    for unit in units:
+        for flat in unit.flats:
+            groups[flat.param_group]["params"].append(flat.shard)
+    return [g for g in groups if g["params"]]

@@ -1,0 +1,138 @@
+"""Reductions: a unit's full gradient becomes this rank's averaged shard gradient.
+
+The engine calls :meth:`Reducer.grad_ready` when autograd has finished a flat buffer's gradient
+(its post-backward hook) and :meth:`Reducer.finish` once, from the end-of-backward callback. In
+between, the Reducer decides when each reduction is launched and when it is waited for; flat.py's
+``reduce_grads`` moves the bytes (one all-reduce at stage 0, one reduce-scatter at 1-3, in one
+collective for a whole bucket).
+
+When a bucket is launched and how many may be in flight: [Note: buckets] in zero.py's module
+docstring (``config.BUCKET_BYTES``, ``bucket_bytes``, ``MAX_REDUCTIONS_IN_FLIGHT``).
+
+[Note: find_unused] With ``find_unused_parameters``, ranks may run different units, so the order
+in which gradients become ready differs between ranks, while collectives must match. So:
+
+* every rank launches reductions in ONE fixed order (:meth:`Reducer.launch_order`: the reverse
+  of the units' order, usually the order backward finishes them); a buffer ready early waits
+  for its turn;
+* at the end of backward, the rest of the order is launched, zeros where this rank has no
+  gradient, and ONE all-reduce(MAX) of a byte per trainable buffer ("this rank used it") tells
+  every rank which buffers NO rank used: those get their gradient from before this backward
+  back (``None`` usually), as in one process: Adam, momentum and weight decay leave them alone.
+"""
+from __future__ import annotations
+
+import torch
+
+from minishard import comm, config
+from minishard.flat import FlatBuffer, reduce_grads
+
+__all__ = ["Reducer", "MAX_REDUCTIONS_IN_FLIGHT"]
+
+MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
+
+
+class Reducer:
+    """The gradient reductions of one engine's backward passes."""
+
+    def __init__(self, units, *, free_grads_early: bool, bucket_bytes: int,
+                 reduce_dtype: torch.dtype | None, find_unused: bool, every_group, log) -> None:
+        self.units, self.log = units, log
+        self.free_grads_early, self.bucket_bytes = free_grads_early, bucket_bytes
+        self.reduce_dtype, self.find_unused, self.every_group = reduce_dtype, find_unused, every_group
+        self._reduced: set[int] = set()     # ids of flats already reduced in this backward
+        self._ready: list[FlatBuffer] = []  # find_unused: ready, waiting for their turn
+        self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
+        self._launched = 0                  # find_unused: how far along the fixed order
+        self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
+        self._bucket: list[FlatBuffer] = []  # ready gradients not yet launched
+
+    def in_flight_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self._in_flight)
+
+    def grad_ready(self, unit, j: int) -> None:
+        """Buffer ``j`` of ``unit`` has its whole gradient on this rank."""
+        self._reduce(unit, unit.flats[j])
+
+    def _reduce(self, unit, flat: FlatBuffer) -> None:
+        """Start ``flat``'s reduction (in the fixed order with find_unused_parameters)."""
+        if id(flat) in self._reduced:
+            return
+        self._reduced.add(id(flat))
+        self.log("reduce", unit)
+        if self.find_unused:
+            self._used.add(id(flat))
+            self._ready.append(flat)
+            self._launch_ready()
+        else:
+            self._schedule(flat)
+
+    def launch_order(self) -> list[FlatBuffer]:
+        """[Note: find_unused]: the one order every rank reduces in."""
+        return [f for u in reversed(self.units) for f in u.flats if f.requires_grad]
+
+    def _launch_ready(self) -> None:
+        """Launch, in the fixed order, every ready flat whose predecessors are launched; a flat
+        ready early waits for its turn (a rank may never reach one: it sends zeros at the end)."""
+        order = self.launch_order()
+        launched = self._launched
+        while launched < len(order) and order[launched] in self._ready:
+            self._ready.remove(order[launched])
+            self._schedule(order[launched])
+            launched += 1
+        self._launched = launched
+
+    def _schedule(self, flat: FlatBuffer) -> None:
+        """Queue ``flat``'s reduction in the bucket; launch the bucket once it is full
+        ([Note: buckets]: ``bucket_bytes`` at stages 2-3, where 0 launches every flat at once)."""
+        cap = self.bucket_bytes if self.free_grads_early else config.BUCKET_BYTES
+        if self._bucket and self._bucket[0].param_dtype != flat.param_dtype:
+            self._flush_bucket()  # one collective moves one dtype
+        self._bucket.append(flat)
+        if sum(f.full_bytes() for f in self._bucket) >= cap:
+            self._flush_bucket()
+
+    def _flush_bucket(self) -> None:
+        if self._bucket:
+            nbytes = sum(f.full_bytes() for f in self._bucket)
+            self._in_flight.append((reduce_grads(self._bucket, self.reduce_dtype), nbytes))
+            self._bucket = []
+        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+            self._in_flight.pop(0)[0].wait()
+
+    def finish(self, sync_grads: bool) -> None:
+        """End of backward: reduce what is left, wait for every reduction.
+
+        A flat buffer whose gradient never became ready in this backward is reduced now if this
+        rank holds a gradient for it (it was used only in earlier ``no_sync`` backwards). One that
+        no rank used keeps ``grad=None``, as in single-process training: reducing zeros into it
+        would make Adam, momentum and weight decay move weights that got no gradient. Without
+        find_unused_parameters, "no rank" is "not this rank" (every rank reaches the same units).
+        """
+        if sync_grads:
+            for unit in reversed(self.units):
+                for flat in unit.flats:
+                    if flat.requires_grad and flat.full.grad is not None:
+                        self._reduce(unit, flat)
+            unused = self._finish_in_order() if self.find_unused else []
+        self._flush_bucket()
+        for handle, _ in self._in_flight:
+            handle.wait()
+        self._in_flight.clear()
+        if sync_grads:
+            for flat, grad_before in unused:  # no rank used it: leave its gradient as it was
+                flat.shard.grad = grad_before
+        self._reduced.clear()
+
+    def _finish_in_order(self) -> list[tuple[FlatBuffer, torch.Tensor | None]]:
+        """[Note: find_unused]: launch the rest of the fixed order, then the usage bitmap.
+        Returns the flats no rank used, with their gradient before this backward."""
+        order = self.launch_order()
+        before = {id(f): f.shard.grad for f in order}
+        self._ready += [f for f in order[self._launched:] if f not in self._ready]
+        self._launch_ready()
+        used = torch.tensor([id(f) in self._used for f in order], dtype=torch.uint8)
+        comm.all_reduce(used, "max", self.every_group, tag="ZeRO used flats")
+        unused = [(f, before[id(f)]) for f, u in zip(order, used.tolist()) if not u]
+        self._ready, self._used, self._launched = [], set(), 0
+        return unused

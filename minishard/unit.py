@@ -1,0 +1,169 @@
+"""A unit: one module, the flat buffers of the parameters it owns, and the work done on them.
+
+zero.py says WHEN each unit is gathered, released and reduced; this file says WHAT that does to
+one unit; flat.py says HOW the bytes move. A unit's work, by event:
+
+    gather         every flat buffer that is freed or stale all-gathers its shards into ``full``
+    show_full      every place a parameter appears now holds its view of ``full``
+    release        (stage 3) ``full``'s storage is freed; every place holds a stand-in that
+                   raises when used (guards.py), since the values no longer exist
+    gradients      one hook per trainable flat buffer fires when autograd has summed the views'
+                   gradients into ``full.grad``: the engine reduces it (reductions.py)
+
+A parameter may appear in several places: tied weights (``head.weight is emb.weight``) and one
+module object reachable by two paths. It lives ONCE in a flat buffer; each appearance is a
+:class:`Place`, and :class:`Param` groups them: ``unit.params()`` is the one way to walk a unit's
+parameters and their places (state dicts list every place, as ``module.state_dict()`` does).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from minishard.flat import FlatBuffer, FlatMode
+
+__all__ = ["Place", "Param", "Unit", "is_inside"]
+
+
+@dataclasses.dataclass
+class Place:
+    """One module attribute where a flattened parameter appears (a tied one has several)."""
+    module: nn.Module
+    attr: str
+    fqn: str
+
+
+@dataclasses.dataclass
+class Param:
+    """One parameter of a unit: its flat buffer, its index there, every place it appears, and
+    the stand-in its places hold while the unit is released (stage 3; set by guards.py)."""
+    flat: FlatBuffer
+    index: int
+    places: list[Place]
+    stand_in: torch.Tensor | None = None
+
+    @property
+    def name(self) -> str:
+        """Its first name in the module: the one state dicts and checks report."""
+        return self.places[0].fqn
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.flat.shapes[self.index]
+
+
+def is_inside(name: str, scope: str) -> bool:
+    """Is module path ``name`` the module ``scope`` or inside it? ("" is the root: everything.)"""
+    return scope == "" or name == scope or name.startswith(scope + ".")
+
+
+class Unit:
+    """One module, the flat buffers of the parameters it owns, and the work done on them."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name, self.module = name, module
+        self.flats: list[FlatBuffer] = []
+        self._params: list[list[Param]] = []       # [flat][param]
+        self.views: list[list[torch.Tensor]] = []  # [flat][param] -> its view shown last
+        self._hooked: set[int] = set()             # flats whose gradient hook is registered
+
+    def add_flat(self, flat: FlatBuffer, places: list[list[Place]]) -> None:
+        """A flat buffer of this unit; ``places[j]``: every place its parameter j appears."""
+        self.flats.append(flat)
+        self._params.append([Param(flat, j, p) for j, p in enumerate(places)])
+
+    def params(self, flat: FlatBuffer | None = None) -> Iterator[Param]:
+        """Every parameter of the unit (or of one of its flat buffers), in buffer order."""
+        for f, params in zip(self.flats, self._params):
+            if flat is None or f is flat:
+                yield from params
+
+    # ------------------------------------------------------------------------- the optimizer
+    def shards(self) -> list[nn.Parameter]:
+        """What the optimizer steps: one shard per flat buffer."""
+        return [flat.shard for flat in self.flats]
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        return [flat.shard.grad for flat in self.flats if flat.shard.grad is not None]
+
+    def has_frozen(self) -> bool:
+        return any(not flat.requires_grad for flat in self.flats)
+
+    def sync_requires_grad(self, hook_for: Callable[[int], Callable]) -> None:
+        """The shard's ``requires_grad`` is the truth (the user may freeze through the original
+        names, ``model.requires_grad_()`` or the shards): bring each flat buffer in line, and
+        give buffer j the gradient hook ``hook_for(j)`` the first time it is trainable."""
+        for j, flat in enumerate(self.flats):
+            if flat.requires_grad != flat.shard.requires_grad:
+                flat.set_requires_grad(flat.shard.requires_grad)
+            if flat.requires_grad and j not in self._hooked:
+                self._hooked.add(j)
+                flat.full.register_post_accumulate_grad_hook(hook_for(j))
+
+    # ------------------------------------------------------------------------------ gather
+    def missing(self) -> list[FlatBuffer]:
+        """The flat buffers a gather must refresh (freed, or older than their shard)."""
+        return [flat for flat in self.flats if flat.needs_gather]
+
+    def gather(self, async_op: bool = False, on_gather: Callable | None = None) -> None:
+        """All-gather every buffer that needs it; ``on_gather(unit)`` after each one starts."""
+        for flat in self.flats:
+            self.gather_flat(flat, async_op, on_gather)
+
+    def gather_flat(self, flat: FlatBuffer, async_op: bool = False,
+                    on_gather: Callable | None = None) -> None:
+        if flat.needs_gather:
+            flat.gather(async_op)
+            if on_gather is not None:
+                on_gather(self)
+        elif not async_op:
+            flat.wait()  # a prefetched gather: make sure it has landed
+
+    def wait(self) -> None:
+        """Land every gather still in flight into this unit's buffers."""
+        for flat in self.flats:
+            flat.wait()
+
+    # ---------------------------------------------------------------- what the places hold
+    def show_full(self, detached: bool = False) -> None:
+        """Point every place at its parameter's view of ``full`` (``detached``: between steps,
+        outside autograd)."""
+        self.views = [flat.views() if not detached else flat.detached_views()
+                      for flat in self.flats]
+        self.show_again()
+
+    def show_again(self) -> None:
+        """Show the views made by the last :meth:`show_full` again (after stand-ins replaced
+        them): the same tensors, so a recomputation in backward joins the forward's graph."""
+        for flat, views in zip(self.flats, self.views):
+            self.show(flat, views)
+
+    def show(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
+        """Point every place of ``flat``'s parameter j at ``values[j]``."""
+        for param, value in zip(self.params(flat), values):
+            for place in param.places:
+                setattr(place.module, place.attr, value)
+
+    # ----------------------------------------------------------------------------- release
+    def release(self, on_free: Callable | None = None, j: int | None = None) -> None:
+        """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``), calling
+        ``on_free(unit)`` after each one freed, and show the stand-ins in its places."""
+        for k, flat in enumerate(self.flats):
+            if j is None or k == j:
+                self._release_flat(flat, on_free)
+
+    def release_frozen(self, on_free: Callable | None = None) -> None:
+        """Release the frozen buffers: they have no gradient hook to say their backward is done."""
+        for flat in self.flats:
+            if not flat.requires_grad:
+                self._release_flat(flat, on_free)
+
+    def _release_flat(self, flat: FlatBuffer, on_free: Callable | None) -> None:
+        if flat.mode is FlatMode.OWN and flat.is_gathered:
+            flat.free()
+            if on_free is not None:
+                on_free(self)
+        self.show(flat, [param.stand_in for param in self.params(flat)])

@@ -1,0 +1,48 @@
+"""Verdicts: every rank raises together, or none does.
+
+A rank that raises on its own leaves the others waiting in their next collective until a timeout.
+So where a step can fail on some ranks only (an initialiser on rank 0, a file one rank cannot
+write), the ranks first agree on the outcome, with a collective that every rank joins whatever
+happened to it, and only then raise:
+
+* :func:`rank0_verdict`: rank 0 decides (it alone looked); every rank raises rank 0's message.
+* :func:`raise_together`: each rank may have failed; one all-reduce(MAX) of a failed flag, then
+  a failed rank raises its own error and the others ``others_failed``.
+"""
+from __future__ import annotations
+
+import torch
+
+from minishard import comm
+
+__all__ = ["rank0_verdict", "raise_together"]
+
+
+def rank0_verdict(error: str | None, group, device=None, tag: str = "verdict") -> str | None:
+    """Rank 0's decision, on every rank: None (go on) or the error every rank must raise. Two
+    broadcasts (the message's length, then its text if any), so every rank raises the same
+    error at the same point, before any later collective could hang."""
+    data = (error or "").encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    comm.broadcast(length, 0, group, tag=f"{tag} (verdict)")
+    if length.item() == 0:
+        return None
+    text = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            if comm.group_rank(group) == 0 else
+            torch.empty(int(length.item()), dtype=torch.uint8, device=device))
+    comm.broadcast(text, 0, group, tag=f"{tag} (verdict text)")
+    return bytes(text.cpu().tolist()).decode(errors="replace")
+
+
+def raise_together(error: BaseException | None, groups: list, tag: str,
+                   others_failed: BaseException) -> None:
+    """Join one all-reduce(MAX) of "this rank failed" on each of ``groups`` (in order), then
+    raise ``error`` on a rank that failed and ``others_failed`` on a rank that did not while
+    another did. Returns on every rank only when no rank failed."""
+    failed = torch.tensor([0.0 if error is None else 1.0])
+    for group in groups:
+        comm.all_reduce(failed, "max", group, tag=tag)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise others_failed
