@@ -44,7 +44,7 @@ MUTANTS = {
         ["tests/test_differential.py"]),
     "ledger_without_(N-1)/N": (
         "the ledger's ring cost model forgets the (N-1)/N factor",
-        [("minishard/comm.py",
+        [("minishard/costs.py",
           "return Fraction(_RING_FACTOR[op] * (group_size - 1) * full_bytes, group_size)",
           "return Fraction(_RING_FACTOR[op] * full_bytes, 1)")],
         ["tests/test_training.py::"

@@ -839,9 +839,11 @@ def mixed_cancelling_channels(sizes, seed, cancelling):
 
 @pytest.mark.parametrize("ws,sizes", [(1, [6]), (2, [4, 3]), (3, [5, 0, 2]), (4, [1, 2, 3, 4])])
 def test_one_cancelling_channel_takes_the_second_pass(pools, ws, sizes):
-    for cancelling, passes in ((True, 1), (False, 0)):
+    for cancelling in (True, False):
+        passes = int(cancelling and ws > 1)  # a group of one sums nothing: no collective at all
         for err, var_err, second in pools(ws).run(mixed_cancelling_channels, sizes, 3, cancelling):
             assert second == passes, f"{second} second passes with cancelling={cancelling}"
-            # Measured with the right branch: output within 2e-7, variance within 1e-7 relative
-            # of float64 (the float32 output's own rounding); the wrong branch: 1.6e-4.
+            # Measured with the right branch: output within 3.1e-7 of float64 (the float32
+            # output's own rounding), variance within 7.5e-8 relative; with the second pass
+            # taken only when ALL channels cancel: 3.6e-5 to 8.1e-5 and up to 1.5e-4.
             assert err <= 2e-6 and var_err <= 1e-6, (err, var_err)
