@@ -53,9 +53,11 @@ def gathered(units, writeback: bool, on_gather, put_back):
             put_back(unit)
 
 
-def full_state_dict(units, module, keys: list[str], group, rank0_only: bool) -> dict:
-    """``model.full_state_dict()``: every rank joins every gather; only a keeping rank copies."""
-    keep = not rank0_only or comm.group_rank(group) == 0
+def full_state_dict(units, module, keys: list[str], every, rank0_only: bool) -> dict:
+    """``model.full_state_dict()``: every rank joins every gather; only a keeping rank copies.
+    [Note: rank 0] "Rank 0" is rank 0 of ``every``, the group of all the engine's ranks (global
+    rank 0 for a mesh over the job): one file on one machine, not one per replica."""
+    keep = not rank0_only or comm.group_rank(every) == 0
     values: dict[str, torch.Tensor] = {}
     for unit in units:
         for flat in unit.flats:
@@ -72,17 +74,18 @@ def full_state_dict(units, module, keys: list[str], group, rank0_only: bool) -> 
     return {k: values[k] for k in keys}
 
 
-def load_full_state_dict(units, module, keys: list[str], group, state_dict,
+def load_full_state_dict(units, module, keys: list[str], every, state_dict,
                          from_rank0: bool) -> None:
     """``model.load_full_state_dict()``: checked first (by rank 0 alone with ``from_rank0``,
     which then tells every rank its verdict), then loaded one flat buffer at a time, each rank
-    keeping its shard; buffers follow, one by one. The caller refreshes the full buffers."""
-    rank0 = comm.group_rank(group) == 0
+    keeping its shard; buffers follow, one by one. The caller refreshes the full buffers.
+    With ``from_rank0`` the broadcasts span ``every``, replicas included ([Note: rank 0])."""
+    rank0 = comm.group_rank(every) == 0
     error = _state_dict_problem(units, keys, state_dict) if rank0 or not from_rank0 else None
     if from_rank0:
         shards = [s for u in units for s in u.shards()]
         device = shards[0].device if shards else None
-        error = rank0_verdict(error, group, device, tag="load_full_state_dict")
+        error = rank0_verdict(error, every, device, tag="load_full_state_dict")
     if error is not None:
         raise (KeyError if "missing keys" in error else ValueError)(error)
     with torch.no_grad():
@@ -94,14 +97,14 @@ def load_full_state_dict(units, module, keys: list[str], group, state_dict,
                 else:
                     full = flat.shard.new_empty(flat.numel)
                 if from_rank0:
-                    comm.broadcast(full, 0, group, tag=f"{flat.name} (from rank 0)")
+                    comm.broadcast(full, 0, every, tag=f"{flat.name} (from rank 0)")
                 flat.load_master(full)
         buffers = module.state_dict()
         for name, buf in buffers.items():
             value = state_dict[name] if rank0 or not from_rank0 else buf.detach().clone()
             if from_rank0:
                 value = value.to(buf.device, buf.dtype)
-                comm.broadcast(value, 0, group, tag=f"{name} (from rank 0)")
+                comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")
             buffers[name] = value
         module.load_state_dict(buffers, strict=False)
 

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten
 from minishard.unit import Unit, is_inside
 
 __all__ = ["Released", "give_stand_ins", "guard_module_attributes", "set_requires_grad",
-           "mark_shards", "refuse_orphaned_params"]
+           "mark_shards", "refuse_orphaned_params", "refuse_deepcopy"]
 
 
 class Released(torch.Tensor):
@@ -144,3 +144,15 @@ def refuse_orphaned_params(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(refuse_orphaned_params)
+
+
+def refuse_deepcopy(engine, memo=None):
+    """``copy.deepcopy(model)`` (the EMA idiom): the copy's flat buffers, parameter views, hooks
+    and process groups would be the original's or dangle, so it is refused with the way that
+    works."""
+    raise TypeError(
+        "copy.deepcopy of a minishard.ZeRO model is not supported: its parameters are shards of "
+        "flat buffers bound to this engine's hooks and process groups. For an EMA or any plain "
+        "copy, build the model again and load the full weights into it: "
+        "sd = model.full_state_dict() (on every rank: it gathers), then "
+        "ema = build(); ema.load_state_dict(sd).")

@@ -133,14 +133,13 @@ class ZeRO(nn.Module):
     module at a time: deferred_init.py).
 
     Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards) or
-    ``model.param_groups()``. A flat buffer's shard is ONE optimizer parameter: when a submodule
-    is skipped inside a unit whose other parameters got gradients, it gets zeros, and momentum,
-    Adam and weight decay move it (as FSDP1's flat parameters); make a module that is sometimes
-    skipped a unit of its own. A whole unit that no rank used keeps ``grad=None``.
-
-    Freezing after wrapping: ``model.module.block.requires_grad_(False)`` (original names) or
-    ``shard.requires_grad_(False)`` freezes whole flat buffers; freezing part of one is refused.
+    ``model.param_groups()``. A flat buffer's shard is ONE optimizer parameter: a submodule
+    skipped inside a unit whose other parameters got gradients gets zeros, which momentum, Adam
+    and weight decay act on (as FSDP1's flat parameters): make it a unit of its own. A whole
+    unit no rank used keeps ``grad=None``. Freezing: ``model.module.block.requires_grad_(False)``
+    or ``shard.requires_grad_(False)``, whole flat buffers (part of one is refused).
     """
+    __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
 
     def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
@@ -154,6 +153,7 @@ class ZeRO(nn.Module):
                                  find_unused_parameters, bucket_bytes)
         self.module, self.stage, self.policy = module, stage, policy
         self.group, self.replicate_group = groups.shard, groups.replicate
+        self.every_group = groups.every  # all the engine's ranks: [Note: rank 0] in full_state
         self.mp = mp = mixed_precision or MixedPrecision()
         self.prefetch, self.bucket_bytes, self.find_unused = (prefetch, bucket_bytes,
                                                               find_unused_parameters)
@@ -359,8 +359,8 @@ class ZeRO(nn.Module):
         the model is gathered one flat buffer at a time (every rank takes part in each gather
         and drops it at once), and rank 0 alone keeps a copy: no other rank ever holds more
         than one unit's full tensors."""
-        return full_state.full_state_dict(self.units, self.module, self.state_keys, self.group,
-                                          rank0_only)
+        return full_state.full_state_dict(self.units, self.module, self.state_keys,
+                                          self.every_group, rank0_only)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None,
                              from_rank0: bool = False) -> None:
@@ -369,8 +369,8 @@ class ZeRO(nn.Module):
         With ``from_rank0``, only rank 0's ``state_dict`` is read (the others may pass None):
         rank 0 checks it and tells every rank its verdict, then broadcasts it one flat buffer
         at a time, each rank keeping its shard; buffers follow, one by one."""
-        full_state.load_full_state_dict(self.units, self.module, self.state_keys, self.group,
-                                        state_dict, from_rank0)
+        full_state.load_full_state_dict(self.units, self.module, self.state_keys,
+                                        self.every_group, state_dict, from_rank0)
         self.refresh_full_params()
 
     def refresh_full_params(self) -> None:

@@ -36,6 +36,26 @@ def wrap_twice():
     minishard.ZeRO(model.module, stage=2)
 
 
+def deepcopy_then_the_advice(stage):
+    """copy.deepcopy of the wrapper is refused; the way the message gives makes a plain copy."""
+    import copy
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), stage=stage,
+                           units={nn.Linear})
+    try:
+        copy.deepcopy(model)
+        message = None
+    except TypeError as exc:
+        message = str(exc)
+    sd = model.full_state_dict()
+    ema = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    ema.load_state_dict(sd)
+    with model.gathered():
+        same = all(torch.equal(a, b) for a, b in zip(ema.state_dict().values(),
+                                                     model.module.state_dict().values()))
+    return message, same
+
+
 def optimizer_before_wrapping():
     module = nn.Linear(3, 3)
     opt = torch.optim.SGD(module.parameters(), lr=0.1)   # the bug: built before wrapping
@@ -140,6 +160,13 @@ def test_syncbn_process_group_without_this_rank(pools):
 def test_wrapping_twice(pools):
     with pytest.raises(RankError, match="already wrapped by minishard.ZeRO"):
         pools(2).run(wrap_twice)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_deepcopy_is_refused_with_the_way_to_copy(pools, stage):
+    for message, same in pools(2).run(deepcopy_then_the_advice, stage):
+        assert message and "copy.deepcopy of a minishard.ZeRO model" in message
+        assert "model.full_state_dict()" in message and same
 
 
 def test_optimizer_over_unwrapped_parameters(pools):
