@@ -11,31 +11,27 @@ with equal parameters (and both equal one process trained on the global batch). 
 MEASURES both sides of every row, the bytes sent in one step and the bytes held between steps,
 and asserts how they relate: equal names do not mean equal costs.
 
-    minishard   stock tool trained beside it          the same                what differs (measured)
-    stage 0     DistributedDataParallel               one all-reduce of the   DDP keeps its gradient bucket
-                                                      gradients per step      (4Ψ) between steps; stage 0
-                                                                              frees its gradients
-    stage 1     DDP + ZeroRedundancyOptimizer         optimizer state         DDP all-reduces the FULL
-                                                      sharded                 gradient, then each rank
-                                                                              broadcasts its updated shard:
-                                                                              3 passes per step, stage 1 2
-                                                                              (reduce-scatter + all-gather);
-                                                                              ZeRO's shards are whole
-                                                                              parameters, minishard's equal
-                                                                              slices. FSDP has no stage 1.
-    stage 2     FSDP1 SHARD_GRAD_OP,                  gradients and optimizer  between steps FSDP holds
-                FSDP2 reshard_after_forward=False     state sharded; one      parameter SHARDS (it reshards
-                                                      gather and one          after backward: torch's
-                                                      reduce-scatter per      docstring), minishard's stage
-                                                      step (FSDP1)            2 the FULL parameters; FSDP2
-                                                                              also reshards after a no_sync
-                                                                              backward and gathers again:
-                                                                              3 passes where stage 2 sends 2
-    stage 3     FSDP1 FULL_SHARD, FSDP2 fully_shard   everything sharded;     no difference measured: 5
-                                                      gather before forward   passes each (with no_sync,
-                                                      and backward, reduce-   2 gathers per micro-batch);
-                                                      scatter after           FSDP2 pads each parameter's
-                                                                              dim 0, so its passes are longer
+    stage 0 beside DistributedDataParallel
+        same     one all-reduce of the gradients per step
+        differs  DDP keeps its gradient bucket (4Ψ) between steps; stage 0 frees its gradients
+    stage 1 beside DDP + ZeroRedundancyOptimizer (FSDP has no stage 1)
+        same     the optimizer state is sharded
+        differs  DDP all-reduces the FULL gradient, then each rank broadcasts its updated
+                 shard: 3 passes per step where stage 1 sends 2 (reduce-scatter, all-gather);
+                 ZeroRedundancyOptimizer's shards are whole parameters, minishard's equal slices
+    stage 2 beside FSDP1 SHARD_GRAD_OP and FSDP2 fully_shard(reshard_after_forward=False)
+        same     gradients and optimizer state sharded; FSDP1 sends what stage 2 sends (one
+                 all-gather and one reduce-scatter of the parameters per step)
+        differs  between steps FSDP holds parameter SHARDS (torch's docstring: it reshards after
+                 backward), minishard's stage 2 the FULL parameters; FSDP2 also reshards after
+                 a no_sync backward and gathers again: 3 passes where stage 2 sends 2
+    stage 3 beside FSDP1 FULL_SHARD and FSDP2 fully_shard
+        same     everything sharded; gathered before forward and before backward, gradients
+                 reduce-scattered after it: 5 passes per step here (with no_sync, 2 gathers per
+                 micro-batch and one reduce-scatter)
+        differs  FSDP2 pads each parameter's dim 0 (minishard and FSDP1 a unit's flat buffer),
+                 so its passes are longer when N does not divide the rows; both FSDPs keep
+                 some bytes of their own between steps beyond shards and momentum (printed)
 
 (A pass: one all-gather or reduce-scatter over all the parameters, (N-1)/N x 4 bytes per element
 sent per rank in the ring model; an all-reduce is two passes, a broadcast one.)
@@ -98,7 +94,7 @@ bucket_bytes=4 * 2**20  (stages 2-3: several units per collective)
 with m.no_sync():
     FSDP1      with m.no_sync():  (SHARD_GRAD_OP then keeps the parameters gathered, as stage 2)
     FSDP2      m.set_requires_gradient_sync(False) ... (True)  (still reshards: 3 passes, above)
-    DeepSpeed  with engine.no_sync(): at stages 0-1 only; "gradient_accumulation_steps": k reduces each micro-batch at 2-3
+    DeepSpeed  engine.no_sync() at stages 0-1 only; "gradient_accumulation_steps": k at any
 m.clip_grad_norm_(max_norm)
     FSDP1      m.clip_grad_norm_(max_norm)
     FSDP2      torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)  (DTensor grads)
@@ -399,7 +395,7 @@ def padded(world: int) -> dict[str, int]:
 # What one step (two micro-batches, the first under no_sync) sends, in passes over the
 # parameters (a pass = one all-gather or reduce-scatter of all of them, (N-1)/N x 4 bytes per
 # element; an all-reduce is two, a broadcast one), and each tool's padding (padded() above).
-PASSES = {0: (2, "plain"), "DDP": (2, "plain"),            # one all-reduce after the last micro-batch
+PASSES = {0: (2, "plain"), "DDP": (2, "plain"),  # one all-reduce after the last micro-batch
           1: (2, "flat"), "DDP + ZeroRedundancyOptimizer": (3, "plain"),  # + broadcast of shards
           2: (2, "flat"), "FSDP1 SHARD_GRAD_OP": (2, "flat"),  # one gather, one reduce-scatter
           "FSDP2 reshard_after_forward=False": (3, "dim0"),  # it reshards after EVERY backward
@@ -438,14 +434,15 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
     assert held["FSDP1 SHARD_GRAD_OP"] == held["FSDP1 FULL_SHARD"], held
     assert held["FSDP2 reshard_after_forward=False"] == held["FSDP2 fully_shard"], held
     assert held[2] - held[3] == full_minus_shard, (held, full_minus_shard)
-    say(textwrap.fill(f"Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
+    say(textwrap.fill(
+        "Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
         f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ); DDP + ZeroRedundancyOptimizer "
         "sends 3 passes where stage 1 sends 2; FSDP1 SHARD_GRAD_OP sends what stage 2 sends, "
         "FSDP2 with reshard_after_forward=False a third pass more (it reshards after the no_sync "
         "backward too, and gathers again); between steps both hold what their FULL_SHARD "
         f"holds, while minishard's stage 2 holds {full_minus_shard:,} B more than its stage 3 "
         "(the full parameters); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
-        "micro-batch, 1 reduce-scatter). Bytes differ only by padding (FSDP2 pads every "
+        "micro-batch, 1 reduce-scatter). Where the passes agree, the bytes differ only by padding (FSDP2 pads every "
         "parameter's dim 0).", 100) + "\n")
 
 
