@@ -71,7 +71,8 @@ class Failure:
 
     def __str__(self) -> str:
         inputs = self.inputs.replace("\n", "\n            ")
-        return (f"FAILED {self.exercise} at {self.world} ranks, on rank {self.rank}.\n"
+        where = f"on rank {self.rank}" if self.rank >= 0 else "all ranks together"
+        return (f"FAILED {self.exercise} at {self.world} ranks, {where}.\n"
                 f"  inputs:   {inputs}\n  checking: {self.what}\n"
                 f"  expected: {self.expected}\n  got:      {self.got}\n  hint:     {self.hint}")
 
