@@ -354,11 +354,13 @@ def _bn_run(fn, case, rank, world):
     one = ("the point of the exercise is ONE all_reduce per backward: put Σdy and Σdy·x̂ side "
            "by side in one tensor of 2C values (torch.cat) and all_reduce that")
     calls = [(e.op, e.numel) for e in led.entries]
-    return [("collectives in your backward (op, elements)", calls, [("all_reduce", 2 * C)], one),
-            ("dx (this rank's rows)", dx, dx_all[lo:hi], formula),
+    # the numbers first: a failure of the collectives then means the numbers were right
+    return [("dx (this rank's rows)", dx, dx_all[lo:hi], formula),
             ("dweight", dweight, dw, "dweight = Σ dy·x̂ over THIS rank's rows only (DDP or "
              "ZeRO averages parameter gradients later; summing here counts them twice)"),
-            ("dbias", dbias, db, "dbias = Σ dy over THIS rank's rows only")], None
+            ("dbias", dbias, db, "dbias = Σ dy over THIS rank's rows only"),
+            ("collectives in your backward (op, elements)", calls, [("all_reduce", 2 * C)],
+             one)], None
 
 
 # ------------------------------------------------------------------------ 3. shard layout

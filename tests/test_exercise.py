@@ -251,7 +251,7 @@ def test_checker_passes_a_plain_written_out_answer(pools):
     ("ring_all_reduce", ring_sends_everything, "same bits on every rank", "each chunk ONCE"),
     ("ring_all_reduce", ring_without_gather_phase, "the sum over ranks", "exactly once"),
     ("syncbn_backward", syncbn_missing_1_over_n, "dx", "x̂·B/n"),
-    ("syncbn_backward", syncbn_local_sums, "collectives in your backward", "ONE all_reduce"),
+    ("syncbn_backward", syncbn_local_sums, "dx", "summed over ALL ranks"),
     ("shard_layout", layout_floor_division, "(padded_numel", "smallest multiple of N"),
     ("shard_layout", layout_wrong_offsets, "(padded_numel", "shard_start is wrong"),
     ("reduce_gradient", reduce_sum_not_avg, "averaged gradient", "SUM over ranks"),
@@ -288,8 +288,10 @@ def test_some_bugs_need_four_ranks(pools, name, wrong):
     ("syncbn_backward", syncbn_two_all_reduces, "collectives in your backward"),
     ("ring_all_reduce", ring_gather_adds_difference, "same bits on every rank")])
 def test_the_contract_catches_what_the_numbers_do_not(pools, name, wrong, contract):
-    """Every per-rank number of these is within the oracle's tolerance: only the contract (one
-    collective; the same bits on every rank) rejects them."""
+    """The contract is checked after the numbers (per rank, then across ranks): failing it means
+    every number of that example was within the oracle's tolerance, and every earlier example
+    passed whole. Only the contract (one collective; the same bits on every rank) rejects
+    these."""
     failure = check(name, wrong, pools, WORLDS, FEW)
     assert failure is not None and contract in failure.what, failure
 
