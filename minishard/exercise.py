@@ -6,13 +6,18 @@
 
 Each exercise is a stub in ``tutorials/exercises/NAME.py``: one function, its contract in the
 docstring, ``raise NotImplementedError`` for a body. The checker starts warm gloo ranks
-(``minishard.testing.RankPool``, 2 and 3 of them: 3 makes the uneven cases), loads your file on
+(``minishard.testing.RankPool``, 2, 3 and 4 of them: 3 makes the uneven cases, 4
+the layouts where more than one rank holds only padding), loads your file on
 every rank, and runs your function on examples from small to larger. Every example is judged by
 an INDEPENDENT oracle computed in one process from every rank's inputs: stock torch on the
 global batch, plain sums and slices, never minishard's own code (which is the reference solution:
-tests/test_exercise.py shows the checker passes it and fails known-wrong versions). The first
-example that fails is printed: its inputs, the rank, what was expected and what your code gave,
-and a hint.
+tests/test_exercise.py shows the checker passes it and fails known-wrong versions). It checks the
+CONTRACT, not only the numbers: the collectives your code issues (counted by the comm ledger: the
+SyncBatchNorm backward must use exactly one all_reduce), the bytes a ring sends, and that every
+rank ends with the same bits where a real all-reduce gives them. The first example that fails is
+printed: every rank's inputs, the rank that failed, what was expected and what your code gave,
+and a hint. Hints come in steps: the first says what is wrong; the next failure of the same
+exercise (counted in a small file, see ``attempts_file``) adds how to do it.
 
     ring_all_reduce     the ring all-reduce from point-to-point sends (tutorial 01)
     syncbn_backward     SyncBatchNorm's backward: one all-reduce of [Σdy, Σdy·x̂] (tutorial 03)
@@ -22,14 +27,18 @@ and a hint.
 
 Your function receives the communication it may use as arguments (``all_reduce``,
 ``reduce_scatter``, ``send_recv``: thin wrappers over ``minishard.comm``), so it needs no
-``torch.distributed`` of its own. Inputs are float64 so that rounding cannot hide a wrong term.
+``torch.distributed`` of its own. Inputs are float64 so that rounding cannot hide a wrong term,
+and random floats (not integers) so that a sum formed in a different order on different ranks
+shows in the last bits.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib.util
+import json
 import math
+import os
 import random
 import sys
 import time
@@ -43,7 +52,7 @@ import torch.nn.functional as F
 __all__ = ["EXERCISES", "Failure", "check", "main"]
 
 STUBS = Path(__file__).resolve().parents[1] / "tutorials" / "exercises"
-WORLDS = (2, 3)
+WORLDS = (2, 3, 4)
 EXAMPLES = 30  # per world size; small ones first
 
 
@@ -61,8 +70,10 @@ class Failure:
     hint: str
 
     def __str__(self) -> str:
-        return (f"FAILED {self.exercise} at {self.world} ranks, on rank {self.rank}.\n"
-                f"  inputs:   {self.inputs}\n  checking: {self.what}\n"
+        inputs = self.inputs.replace("\n", "\n            ")
+        where = f"on rank {self.rank}" if self.rank >= 0 else "all ranks together"
+        return (f"FAILED {self.exercise} at {self.world} ranks, {where}.\n"
+                f"  inputs:   {inputs}\n  checking: {self.what}\n"
                 f"  expected: {self.expected}\n  got:      {self.got}\n  hint:     {self.hint}")
 
 
@@ -71,8 +82,11 @@ class Exercise:
     name: str
     summary: str
     cases: Callable[[random.Random, int, int], dict]   # (rng, world, index) -> one example
-    # on a rank: (this rank's inputs, [(what, got, expected, hint[, rtol, atol]), ...])
-    run: Callable[[Callable, dict, int, int], tuple[str, list]]
+    # on a rank: ([(what, got, expected, hint[, rtol, atol]), ...], what the ranks must share)
+    run: Callable[[Callable, dict, int, int], tuple[list, object]]
+    describe: Callable[[dict, int, int], str]  # (example, rank, world) -> that rank's inputs
+    # (example, world, every rank's shared values) -> None or (rank, what, expected, got, hint)
+    together: Callable[[dict, int, list], tuple | None] = lambda case, world, shared: None
 
 
 def _short(t) -> str:
@@ -94,6 +108,17 @@ def _differs(got, expected, rtol: float = 1e-9, atol: float = 1e-12) -> bool:
     return got != expected
 
 
+def _hint(hint, level: int) -> str:
+    """A hint is one string, or steps: what is wrong first, then how to do it. ``level`` is how
+    many times this exercise failed before; the last step stays once reached."""
+    if isinstance(hint, str):
+        return hint
+    step = min(level, len(hint) - 1)
+    more = "" if step == len(hint) - 1 else (f"  (hint {step + 1} of {len(hint)}: fail again "
+                                             "for the next)")
+    return hint[step] + more
+
+
 _loaded: dict[str, Callable] = {}
 
 
@@ -110,61 +135,88 @@ def _load(solution) -> Callable:
     return _loaded[solution]
 
 
-def _on_rank(name: str, solution, case: dict):
+def _on_rank(name: str, solution, case: dict, level: int = 0):
     """Runs on every rank of the pool: the learner's code on this example, then the checks.
-    Returns None, or the first failing check as (what, expected, got, hint)."""
+    Returns (None or the first failing check as (what, expected, got, hint), shared values)."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         fn = _load(solution)
-        mine, checks = EXERCISES[name].run(fn, case, rank, world)
+        checks, shared = EXERCISES[name].run(fn, case, rank, world)
     except NotImplementedError:
-        return ("", "your function", "an implementation", "NotImplementedError",
-                "fill in the body of the stub (its docstring says what it must do)")
+        return (("your function", "an implementation", "NotImplementedError",
+                 "fill in the body of the stub (its docstring says what it must do)"), None)
     except Exception as exc:  # the learner's bug: show where, not the checker's traceback
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
-        return ("", "your function", "no exception", "".join(lines[-3:]).strip(),
-                "read the traceback; every rank must make the same calls in the same order")
+        return (("your function", "no exception", "".join(lines[-3:]).strip(),
+                 "read the traceback; every rank must make the same calls in the same order"),
+                None)
     for what, got, expected, hint, *tol in checks:
         if _differs(got, expected, *tol):
-            return (mine, what, _short(expected), _short(got), hint)
-    return None
+            return (what, _short(expected), _short(got), _hint(hint, level)), shared
+    return None, shared
 
 
 def check(name: str, solution, pools: Callable[[int], "object"], worlds=WORLDS,
-          examples: int = EXAMPLES, seed: int = 0) -> Failure | None:
+          examples: int = EXAMPLES, seed: int = 0, hint_level: int = 0) -> Failure | None:
     """Run exercise ``name`` against ``solution`` (a module-level function, or
-    'file.py:function') on warm ranks ``pools(world)``; None if every example passes."""
+    'file.py:function') on warm ranks ``pools(world)``; None if every example passes.
+    ``hint_level``: how many times it failed before (which step of a hint to show)."""
     exercise = EXERCISES[name]
     for world in worlds:
         pool = pools(world)
         for index in range(examples):
             case = exercise.cases(random.Random(seed * 7919 + index), world, index)
+            inputs = _describe(exercise, case, world)
             try:
-                results = pool.run(_on_rank, name, solution, case)
+                results = pool.run(_on_rank, name, solution, case, hint_level)
             except TimeoutError:
-                return Failure(name, world, -1, _describe(case), "every rank finishing",
+                return Failure(name, world, -1, inputs, "every rank finishing",
                                "all ranks return", "some ranks never returned",
                                "a rank waited in a collective another rank never called: "
                                "every rank must call the same communication, in the same order")
-            for rank, result in enumerate(results):
-                if result is not None:
-                    mine, *rest = result
-                    inputs = _describe(case) + (f"; on rank {rank}: {mine}" if mine else "")
-                    return Failure(name, world, rank, inputs, *rest)
+            for rank, (failed, _) in enumerate(results):
+                if failed is not None:
+                    return Failure(name, world, rank, inputs, *failed)
+            disagree = exercise.together(case, world, [shared for _, shared in results])
+            if disagree is not None:
+                rank, what, expected, got, hint = disagree
+                return Failure(name, world, rank, inputs, what, expected, got,
+                               _hint(hint, hint_level))
     return None
 
 
-def _describe(case: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in case.items() if not k.startswith("_"))
+def _describe(exercise: Exercise, case: dict, world: int) -> str:
+    """The example's parameters, then every rank's own inputs, one line each."""
+    head = ", ".join(f"{k}={v}" for k, v in case.items() if not k.startswith("_"))
+    ranks = [exercise.describe(case, r, world) for r in range(world)]
+    return "\n".join([head] + [f"rank {r}: {text}" for r, text in enumerate(ranks) if text])
 
 
-def _data(seed: int, rank: int, shape, integers: bool = False) -> torch.Tensor:
+def _same_bits(world: int, values: list, what: str, hint) -> tuple | None:
+    """The first rank whose value differs from rank 0's in any bit, as a ``together`` result."""
+    for rank in range(1, world):
+        a, b = values[0], values[rank]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.shape == b.shape and torch.equal(a, b)):
+            gap = ""
+            if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and \
+                    a.shape == b.shape and a.numel():
+                gap = f"  (max |difference| {(a - b).abs().max().item():.3g})"
+            return (rank, what, f"rank 0's bits: {_short(a)}", f"{_short(b)}{gap}", hint)
+    return None
+
+
+def _data(seed: int, rank: int, shape) -> torch.Tensor:
     """Rank ``rank``'s tensor for an example: every rank can make every rank's (the oracles do)."""
     g = torch.Generator().manual_seed(seed * 1000 + rank)
-    if integers:  # sums of small integers are exact in any order
-        return torch.randint(-9, 10, shape, generator=g).double()
     return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _small_first(rng: random.Random, world: int, index: int, big: int) -> int:
+    """A total size: 0, 1, 2, ... 2N+1 in the first examples (every way a tail of ranks can hold
+    only padding shows up by 2N+1), then random up to ``big``."""
+    return index if index <= 2 * world + 1 else rng.randint(0, big)
 
 
 def _layout(total: int, world: int, rank: int) -> tuple[int, int, int]:
@@ -186,10 +238,20 @@ def _ring_cases(rng: random.Random, world: int, index: int) -> dict:
     return {"numel": numel, "_seed": rng.randrange(10**6)}
 
 
+def _ring_input(case, rank):
+    return _data(case["_seed"], rank, (case["numel"],))
+
+
+_RING_SCHEDULE = ("reduce phase, step s: send chunk (rank - s) % N right, receive chunk "
+                  "(rank - s - 1) % N from the left and ADD it; gather phase: send chunk "
+                  "(rank + 1 - s) % N, receive chunk (rank - s) % N and COPY it. Chunks are views: "
+                  "write into them")
+
+
 def _ring_run(fn, case, rank, world):
     from minishard import comm
-    mine = _data(case["_seed"], rank, (case["numel"],), integers=True)
-    want = sum(_data(case["_seed"], r, (case["numel"],), integers=True) for r in range(world))
+    mine = _ring_input(case, rank)
+    want = torch.stack([_ring_input(case, r) for r in range(world)]).sum(0)  # in rank order
     sent = [0]
 
     def send_recv(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:
@@ -199,19 +261,42 @@ def _ring_run(fn, case, rank, world):
     tensor = mine.clone()
     with comm.ledger() as led:
         fn(tensor, rank, world, send_recv)
+    wrong = [c for c, (g, w) in enumerate(zip(tensor.tensor_split(world), want.tensor_split(world)))
+             if g.shape != w.shape or not torch.allclose(g, w, rtol=1e-9, atol=1e-12)] \
+        if tensor.shape == want.shape else []
+    what_is_wrong = (f"chunks {wrong} of tensor.tensor_split(N) "
+                     "hold something else than the sum on this rank: each chunk must collect "
+                     "every rank's value exactly once (N-1 adds along the ring), then reach "
+                     "every rank (N-1 copies)")
     checks = [("collectives called (use send_recv only)", led.count(), 0,
                "build the ring from send_recv; no all_reduce or other collective"),
               ("the tensor after the call (in place): the sum over ranks", tensor, want,
-               "reduce phase, step s: send chunk (rank - s) % N right, receive chunk "
-               "(rank - s - 1) % N from the left and ADD it; gather phase: send chunk "
-               "(rank + 1 - s) % N, receive chunk (rank - s) % N and COPY it. Chunks are views: "
-               "write into them")]
+               (what_is_wrong, what_is_wrong + ". The schedule: " + _RING_SCHEDULE))]
     if case["numel"] % world == 0:
         ring = 2 * (world - 1) * case["numel"] * 8 // world
         checks.append(("bytes this rank sent", sent[0], ring,
-                       "a ring sends one chunk of S/N bytes per step, 2(N-1) steps: "
-                       "2(N-1)/N x S in all"))
-    return f"tensor={_short(mine)}", checks
+                       ("a ring sends one chunk of S/N bytes per step, 2(N-1) steps: "
+                        "2(N-1)/N x S in all",
+                        "a ring sends one chunk per step, 2(N-1) steps. " + _RING_SCHEDULE)))
+    return checks, (tensor, sent[0])
+
+
+def _ring_together(case, world, shared):
+    same = _same_bits(world, [t for t, _ in shared], "the sum: the same bits on every rank",
+                      ("ranks ended with sums that differ in the last bits: some chunk was "
+                       "summed more than once, in a different order on different ranks. A ring "
+                       "sums each chunk ONCE, along the ring, and then COPIES the total to "
+                       "every rank, so every rank holds the same bits",
+                       "a ring sums each chunk once and copies the total: " + _RING_SCHEDULE))
+    if same is not None:
+        return same
+    total = sum(sent for _, sent in shared)  # whatever the chunk sizes: each chunk N-1 times
+    want = 2 * (world - 1) * case["numel"] * 8  # in each phase
+    if total != want:
+        return (-1, "bytes sent by all ranks together", want, total,
+                "every chunk of tensor.tensor_split(N) travels N-1 hops in each phase: "
+                "2(N-1) x S bytes over all ranks")
+    return None
 
 
 # --------------------------------------------------------------------- 2. SyncBN backward
@@ -230,6 +315,11 @@ def _bn_inputs(case, rank):
     x = 3 * _data(case["_seed"], rank, shape) + 1
     dy = _data(case["_seed"] + 1, rank, shape)
     return x, dy
+
+
+def _bn_describe(case, rank, world):
+    x, dy = _bn_inputs(case, rank)
+    return f"x={_short(x)}, dy={_short(dy)}"
 
 
 def _bn_run(fn, case, rank, world):
@@ -256,64 +346,88 @@ def _bn_run(fn, case, rank, world):
     def all_reduce(t: torch.Tensor) -> None:
         comm.all_reduce(t, "sum")
 
-    dx, dweight, dbias = fn(dys[rank].clone(), xs[rank].clone(), mean, torch.rsqrt(var + eps),
-                            weight.clone(), n, all_reduce)
+    with comm.ledger() as led:
+        dx, dweight, dbias = fn(dys[rank].clone(), xs[rank].clone(), mean,
+                                torch.rsqrt(var + eps), weight.clone(), n, all_reduce)
     formula = ("dx = w·invstd·(dy - A/n - x̂·B/n) with A = Σdy, B = Σdy·x̂ summed over ALL "
                "ranks")
-    mine = (f"x={_short(xs[rank])}, dy={_short(dys[rank])}, weight={_short(weight)}, n={n}, "
-            f"mean={_short(mean)}, invstd={_short(torch.rsqrt(var + eps))}")
-    return mine, [("dx (this rank's rows)", dx, dx_all[lo:hi], formula),
+    one = ("the point of the exercise is ONE all_reduce per backward: put Σdy and Σdy·x̂ side "
+           "by side in one tensor of 2C values (torch.cat) and all_reduce that")
+    calls = [(e.op, e.numel) for e in led.entries]
+    # the numbers first: a failure of the collectives then means the numbers were right
+    return [("dx (this rank's rows)", dx, dx_all[lo:hi], formula),
             ("dweight", dweight, dw, "dweight = Σ dy·x̂ over THIS rank's rows only (DDP or "
              "ZeRO averages parameter gradients later; summing here counts them twice)"),
-            ("dbias", dbias, db, "dbias = Σ dy over THIS rank's rows only")]
+            ("dbias", dbias, db, "dbias = Σ dy over THIS rank's rows only"),
+            ("collectives in your backward (op, elements)", calls, [("all_reduce", 2 * C)],
+             one)], None
 
 
 # ------------------------------------------------------------------------ 3. shard layout
 def _layout_cases(rng: random.Random, world: int, index: int) -> dict:
-    count = rng.randint(1, 2 if index < 10 else 4)
-    return {"numels": [rng.randint(1, 3 if index < 10 else 9) for _ in range(count)]}
+    total = max(1, _small_first(rng, world, index, 36))
+    cut = sorted(rng.sample(range(1, total), min(total - 1, rng.randint(0, 3))))
+    return {"numels": [b - a for a, b in zip([0] + cut, cut + [total])]}
 
 
 def _layout_run(fn, case, rank, world):
     padded, start, real = _layout(sum(case["numels"]), world, rank)
     got = fn(list(case["numels"]), world, rank)
     got = tuple(got) if isinstance(got, (tuple, list)) else got
-    return "", [("(padded_numel, shard_start, shard_real)", got, (padded, start, real),
-             "pad the total to a multiple of N so every rank's piece has k = padded/N elements; "
-             "rank r starts at r·k; its real elements are those before the total "
-             "(a late rank may hold only padding: 0 real)")]
+    what = "padding" if isinstance(got, tuple) and len(got) == 3 and got[0] != padded else \
+        "offset" if isinstance(got, tuple) and len(got) == 3 and got[1] != start else "real"
+    wrong = {"padding": "padded_numel is wrong: it must be the smallest multiple of N that "
+                        "holds every element",
+             "offset": "shard_start is wrong: the pieces are equal, k = padded/N each",
+             "real": "shard_real is wrong: count the piece's elements that come before the "
+                     "total; a late rank may hold only padding (0 real), and with 4 ranks or "
+                     "more, several may"}[what]
+    return [("(padded_numel, shard_start, shard_real)", got, (padded, start, real),
+             (wrong, wrong + ". Pad the total to a multiple of N so every rank's piece has "
+              "k = padded/N elements; rank r starts at r·k; its real elements are "
+              "max(0, min(k, total - r·k))"))], None
 
 
 # ---------------------------------------------------------------------- 4. reduce gradient
 def _reduce_cases(rng: random.Random, world: int, index: int) -> dict:
-    numel = rng.randint(1, 2 * world) if index < 10 else rng.randint(0, 20)
-    return {"numel": numel, "_seed": rng.randrange(10**6)}
+    return {"numel": _small_first(rng, world, index, 20), "_seed": rng.randrange(10**6)}
+
+
+def _full_grad(case, world, rank):
+    """Rank ``rank``'s full flat gradient: the real elements, then zero padding (as the engine
+    keeps it)."""
+    padded, _, _ = _layout(case["numel"], world, rank)
+    return torch.cat([_data(case["_seed"], rank, (case["numel"],)),
+                      torch.zeros(padded - case["numel"], dtype=torch.float64)])
 
 
 def _reduce_run(fn, case, rank, world):
     from minishard import comm
     numel = case["numel"]
     padded, start, real = _layout(numel, world, rank)
-
-    def full_grad(r):  # padding holds zeros, as the engine keeps it
-        return torch.cat([_data(case["_seed"], r, (numel,)),
-                          torch.zeros(padded - numel, dtype=torch.float64)])
-
-    want = torch.stack([full_grad(r) for r in range(world)]).mean(0)[start:start + real]
+    want = torch.stack([_full_grad(case, world, r) for r in range(world)]
+                       ).mean(0)[start:start + real]
 
     def reduce_scatter(out: torch.Tensor, full: torch.Tensor) -> None:
         comm.reduce_scatter(out, full, "sum")
 
-    got = fn(full_grad(rank), numel, world, rank, reduce_scatter)
+    with comm.ledger() as led:
+        got = fn(_full_grad(case, world, rank), numel, world, rank, reduce_scatter)
     hint = "reduce_scatter SUMS: divide by N for the average the optimizer needs"
     if isinstance(got, torch.Tensor) and got.shape == want.shape and real and \
             torch.allclose(got, want * world):
         hint = "this is the SUM over ranks (N x the average): divide by N"
     elif isinstance(got, torch.Tensor) and got.shape != want.shape:
-        hint = (f"return only this rank's REAL elements ({real} here): the shard of k = "
-                f"{padded // world} minus the padding")
-    return (f"full_grad={_short(full_grad(rank))}",
-            [("this rank's shard of the averaged gradient", got, want, hint)])
+        hint = (f"this rank's piece has {real} REAL elements here, you returned "
+                f"{got.numel()}",
+                f"return only this rank's REAL elements ({real} here): the shard of k = "
+                f"{padded // world} minus the padding; a late rank may hold only padding "
+                "(0 real; with 4 ranks or more, several may): clamp at 0, a negative slice "
+                "end counts from the END")
+    calls = [(e.op, e.numel) for e in led.entries]
+    return [("collectives (op, elements)", calls, [("reduce_scatter", padded)] if world > 1
+             else calls, "one reduce_scatter of the whole padded gradient, nothing else"),
+            ("this rank's shard of the averaged gradient", got, want, hint)], None
 
 
 # ------------------------------------------------------------------------ 5. clip grad norm
@@ -325,23 +439,29 @@ def _clip_cases(rng: random.Random, world: int, index: int) -> dict:
             "_seed": rng.randrange(10**6)}
 
 
+def _clip_inputs(case, world, rank):
+    """(every parameter's full gradient, this rank's shards of them)."""
+    fulls = [_data(case["_seed"] + i, 0, (n,)) for i, n in enumerate(case["numels"])]
+    shards = []
+    for g in fulls:
+        _, start, real = _layout(g.numel(), world, rank)
+        shards.append(g[start:start + real].clone())
+    return fulls, shards
+
+
 def _clip_run(fn, case, rank, world):
     from minishard import comm
-    fulls = [_data(case["_seed"] + i, 0, (n,)) for i, n in enumerate(case["numels"])]
+    fulls, shards = _clip_inputs(case, world, rank)
     norm = float(torch.cat(fulls).norm())
     max_norm = case["max_norm_factor"] * norm
     clipped = [g.clone() for g in fulls]
     want_norm = float(torch.nn.utils.clip_grad_norm_(_as_params(clipped), max_norm))
-    shards, wants = [], []
-    for g, c in zip(fulls, clipped):
-        _, start, real = _layout(g.numel(), world, rank)
-        shards.append(g[start:start + real].clone())
-        wants.append(c[start:start + real])
+    wants = [c[start:start + real] for c, (_, start, real) in
+             zip(clipped, (_layout(g.numel(), world, rank) for g in fulls))]
 
     def all_reduce(t: torch.Tensor, op: str = "sum") -> None:
         comm.all_reduce(t, op)
 
-    mine = f"grads={[_short(s) for s in shards]}, max_norm={max_norm:.6g}"
     total = fn(shards, max_norm, all_reduce)
     total = float(total) if isinstance(total, (torch.Tensor, int, float)) else total
     scaled_up = max_norm > norm and any(
@@ -353,7 +473,15 @@ def _clip_run(fn, case, rank, world):
     checks = [("the total norm returned", total, want_norm, hint, 1e-6, 1e-12)]  # fp32 is fine
     checks += [(f"gradient shard {i} after clipping (in place)", s, w, hint)
                for i, (s, w) in enumerate(zip(shards, wants))]
-    return mine, checks
+    shared = torch.tensor([total], dtype=torch.float64) if isinstance(total, float) else total
+    return checks, shared
+
+
+def _clip_together(case, world, shared):
+    return _same_bits(world, shared, "the total norm: the same bits on every rank",
+                      "ranks returned norms that differ in the last bits: sum the squares "
+                      "with ONE all_reduce, so every rank takes the square root of the same "
+                      "number")
 
 
 def _as_params(tensors):
@@ -367,19 +495,47 @@ def _as_params(tensors):
 
 EXERCISES: dict[str, Exercise] = {e.name: e for e in [
     Exercise("ring_all_reduce", "a ring all-reduce (sum) from point-to-point sends",
-             _ring_cases, _ring_run),
+             _ring_cases, _ring_run,
+             lambda case, r, w: f"tensor={_short(_ring_input(case, r))}", _ring_together),
     Exercise("syncbn_backward", "SyncBatchNorm backward: dx, dweight, dbias from global sums",
-             _bn_cases, _bn_run),
+             _bn_cases, _bn_run, _bn_describe),
     Exercise("shard_layout", "a flat buffer's padding and one rank's shard offsets",
-             _layout_cases, _layout_run),
+             _layout_cases, _layout_run, lambda case, r, w: ""),
     Exercise("reduce_gradient", "stage 2's reduction: reduce-scatter, average, drop padding",
-             _reduce_cases, _reduce_run),
+             _reduce_cases, _reduce_run,
+             lambda case, r, w: f"full_grad={_short(_full_grad(case, w, r))}"),
     Exercise("clip_grad_norm", "clip by the global norm when each rank holds a shard",
-             _clip_cases, _clip_run),
+             _clip_cases, _clip_run,
+             lambda case, r, w: f"grads={[_short(g) for g in _clip_inputs(case, w, r)[1]]}",
+             _clip_together),
 ]}
 
 
 # --------------------------------------------------------------------------------------- CLI
+def attempts_file() -> Path:
+    """Where the CLI counts each exercise's failures since its last pass (the hint steps):
+    $MINISHARD_EXERCISE_STATE, else ~/.cache/minishard/exercise-attempts.json."""
+    default = Path.home() / ".cache" / "minishard" / "exercise-attempts.json"
+    return Path(os.environ.get("MINISHARD_EXERCISE_STATE", default))
+
+
+def _attempts() -> dict[str, int]:
+    try:
+        return json.loads(attempts_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _record_attempt(name: str, failed: bool) -> None:
+    counts = _attempts()
+    counts[name] = counts.get(name, 0) + 1 if failed else 0
+    try:
+        attempts_file().parent.mkdir(parents=True, exist_ok=True)
+        attempts_file().write_text(json.dumps(counts))
+    except OSError:  # a read-only home: hints then stay at their first step
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minishard.exercise",
                                      description=__doc__.split("\n\n")[0])
@@ -387,7 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", nargs="?", help=f"your file (default: {STUBS}/NAME.py)")
     parser.add_argument("--list", action="store_true", help="list the exercises")
     parser.add_argument("--ranks", type=int, nargs="+", default=list(WORLDS),
-                        help="world sizes to check at (default: 2 3)")
+                        help="world sizes to check at (default: "
+                             f"{' '.join(map(str, WORLDS))})")
     parser.add_argument("--examples", type=int, default=EXAMPLES,
                         help=f"examples per world size (default {EXAMPLES})")
     args = parser.parse_args(argv)
@@ -411,11 +568,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         failure = check(args.name, f"{path.resolve()}:{args.name}", get, tuple(args.ranks),
-                        args.examples)
+                        args.examples, hint_level=_attempts().get(args.name, 0))
     finally:
         for pool in pools.values():
             pool.close()
     took = time.perf_counter() - start
+    _record_attempt(args.name, failure is not None)
     if failure is not None:
         print(failure)
         return 1

@@ -122,11 +122,19 @@ def step_bytes(psi: float, stage: int, ranks: int, element_bytes: int = 4) -> fl
 
 
 def hybrid_step_bytes(psi: float, nodes: int, ranks_per_node: int,
-                      element_bytes: int = 4) -> dict[str, float]:
-    """Hybrid stage 3 (FSDP's HYBRID_SHARD, DeepSpeed ZeRO++ hpZ): parameters, gradients and
-    optimizer state sharded over the S = ``ranks_per_node`` ranks of a node, replicated across
-    the R = ``nodes`` nodes. Per rank per step: stage 3 inside the node, 3Ψb(S-1)/S; then the
-    rank's gradient shard (Ψ/S elements) is all-reduced with the ranks holding the same shard
-    on the other nodes, 2(Ψ/S)b(R-1)/R, every hop of that ring crossing a node boundary."""
+                      element_bytes: int = 4, stage: int = 3) -> dict[str, float]:
+    """Hybrid sharding (minishard's ``mesh=``): ``stage`` run over the S = ``ranks_per_node``
+    ranks of a node, the state it shards replicated across the R = ``nodes`` nodes. Per rank
+    per step: the stage inside the node, 2Ψb(S-1)/S at stages 1-2 (a reduce-scatter and an
+    all-gather) or 3Ψb(S-1)/S at stage 3; then the rank's gradient shard (Ψ/S elements) is
+    all-reduced with the ranks holding the same shard on the other nodes, 2(Ψ/S)b(R-1)/R,
+    every hop of that ring crossing a node boundary.
+
+    The same layout as FSDP1's HYBRID_SHARD (stage 3) and _HYBRID_SHARD_ZERO2 (stage 2), FSDP2
+    on a 2-D mesh, and DeepSpeed's MiCS (``mics_shard_size``, stage 3). Not ZeRO++ hpZ
+    (``zero_hpz_partition_size``): hpZ keeps optimizer state and gradients sharded over ALL
+    N ranks and adds a secondary copy of the parameters, sharded inside a node, so that only
+    the backward all-gather stays inside the node."""
     s, r, b = ranks_per_node, nodes, element_bytes
-    return {"intra": 3 * psi * b * (s - 1) / s, "cross": 2 * (psi / s) * b * (r - 1) / r}
+    inside = 3 if stage == 3 else 2
+    return {"intra": inside * psi * b * (s - 1) / s, "cross": 2 * (psi / s) * b * (r - 1) / r}

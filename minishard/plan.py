@@ -23,7 +23,9 @@ Assumptions:
     Transformer Models", arXiv:2205.05198): sbh(34 + 5as/h) bytes per layer with 16-bit
     activations (s sequence, b micro-batch, h hidden, a heads), 2sbh per layer with full
     activation checkpointing plus one layer recomputed at a time
-    (``minishard.memory.activation_bytes``). Only counted when the shape is given; otherwise the
+    (``minishard.memory.activation_bytes``); without --mixed-precision the activations are fp32,
+    sbh(66 + 9as/h) (the same itemisation at 4 bytes, masks 1 byte: our rescaling, not the
+    paper's number). Only counted when the shape is given; otherwise the
     "left" column is what remains for them, and the recommendation says how much that is.
   * headroom (``--headroom``, default 10%): kept free for what neither formula counts (the
     framework and allocator, fragmentation, temporary buffers, stage 3's gathered units, the
@@ -31,15 +33,18 @@ Assumptions:
   * GB = 10^9 bytes (as in the paper); GiB = 2^30.
 
 Several nodes (``--nodes R --ranks-per-node S``, N = R·S ranks): a second table sets DDP,
-stages 1-3 over all N ranks and hybrid stage 3 (sharded over the S ranks of a node, replicated
-across nodes: FSDP HYBRID_SHARD, FSDP2 on a 2-D mesh, DeepSpeed ZeRO++ hpZ) side by side, with
-memory per rank and bytes per rank per step (``minishard.memory.step_bytes``) inside a node and
+stages 1-3 over all N ranks and hybrid stages 1-3 (sharded over the S ranks of a node,
+replicated across nodes: minishard's ``mesh=``; FSDP1 HYBRID_SHARD at stage 3 and
+_HYBRID_SHARD_ZERO2 at stage 2, FSDP2 on a 2-D mesh, DeepSpeed MiCS at stage 3; not ZeRO++ hpZ,
+which keeps optimizer state and gradients sharded over all N ranks) side by side, with memory
+per rank and bytes per rank per step (``minishard.memory.step_bytes``) inside a node and
 across nodes, b = 4 bytes per element (2 with --mixed-precision):
 
-    DDP (stage 0)   2Ψb(N-1)/N      all of it crosses nodes when R > 1
-    stages 1-2      2Ψb(N-1)/N      all of it crosses nodes when R > 1
-    stage 3         3Ψb(N-1)/N      all of it crosses nodes when R > 1
-    hybrid          3Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
+    DDP (stage 0)       2Ψb(N-1)/N      all of it crosses nodes when R > 1
+    stages 1-2          2Ψb(N-1)/N      all of it crosses nodes when R > 1
+    stage 3             3Ψb(N-1)/N      all of it crosses nodes when R > 1
+    hybrid stages 1-2   2Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
+    hybrid stage 3      3Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
 
 What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
 ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
@@ -147,7 +152,7 @@ def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
 def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
             optimizer: str = "adam", mixed_precision: bool = False, headroom: float = 0.0,
             activations: float = 0.0) -> list[dict]:
-    """Multi-node: DDP, stages 1-3 over all R·S ranks, and hybrid stage 3, each with its memory
+    """Multi-node: DDP, stages 1-3 over all R·S ranks, and hybrid stages 1-3, each with its memory
     per rank (model states + activations), bytes per rank per step inside a node and across
     nodes (the module docstring's table), what is left, and whether it fits."""
     n, elem = nodes * ranks_per_node, 2 if mixed_precision else 4
@@ -159,10 +164,11 @@ def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
         rows.append({"choice": "DDP (stage 0)" if stage == 0 else f"stage {stage}",
                      "stage": stage, "states": states, "intra": 0.0 if crossing else sent,
                      "cross": sent if crossing else 0.0})
-    hybrid = hybrid_step_bytes(params, nodes, ranks_per_node, elem)
-    rows.append({"choice": "hybrid stage 3", "stage": 3,
-                 "states": sum(zero_bytes(params, ranks_per_node, 3, optimizer,
-                                          mixed_precision).values()), **hybrid})
+    for stage in range(1, 4):  # sharded over the S ranks of a node, replicated across nodes
+        rows.append({"choice": f"hybrid stage {stage}", "stage": stage,
+                     "states": sum(zero_bytes(params, ranks_per_node, stage, optimizer,
+                                              mixed_precision).values()),
+                     **hybrid_step_bytes(params, nodes, ranks_per_node, elem, stage)})
     for row in rows:
         row["memory"] = row["states"] + activations
         row["left"] = memory - headroom - row["memory"]
@@ -186,13 +192,41 @@ def _activation_lines(shape: dict | None, element_bytes: int) -> tuple[list[str]
     plain = activation_bytes(**dims, checkpointing=False, element_bytes=element_bytes)
     ckpt = activation_bytes(**dims, checkpointing=True, element_bytes=element_bytes)
     used = ckpt if shape["checkpointing"] else plain
+    formula, ckpt_formula = activation_formulas(element_bytes)
+    source = ("the paper's 16-bit itemisation" if element_bytes == 2 else
+              "the paper's itemisation with fp32 tensors (4 bytes), masks 1 byte: our rescaling")
     lines = [
-        f"activations per rank (Korthikanti et al. 2022, sbh(34 + 5as/h) bytes per layer at "
-        f"16 bits): {shape['layers']} layers, s={shape['seq']}, b={shape['micro_batch']}, "
-        f"h={shape['hidden']}, a={shape['heads']}: {fmt_decimal(plain)} without "
-        f"checkpointing, {fmt_decimal(ckpt)} with full activation checkpointing "
+        f"activations per rank (Korthikanti et al. 2022; {8 * element_bytes}-bit activations, "
+        f"{source}): {formula} without checkpointing, {ckpt_formula} with full activation "
+        f"checkpointing, for L={shape['layers']} layers, s={shape['seq']}, "
+        f"b={shape['micro_batch']}, h={shape['hidden']}, a={shape['heads']}: "
+        f"{fmt_decimal(plain)} without, {fmt_decimal(ckpt)} with "
         f"(counted: {'with' if shape['checkpointing'] else 'without'})."]
     return lines, used
+
+
+def activation_formulas(element_bytes: int) -> tuple[str, str]:
+    """memory.activation_bytes as printed: (without checkpointing, with it), e-byte tensors and
+    1-byte dropout masks: per layer (16e + 2)sbh + (2e + 1)as²b; checkpointed, every layer's
+    e·sbh input plus one layer recomputed."""
+    e = element_bytes
+    layer = f"s·b·h·({16 * e + 2} + {2 * e + 1}·a·s/h)"
+    return f"L·{layer}", f"L·{e}·s·b·h + {layer}"
+
+
+# The model-state bytes per rank that memory.zero_bytes computes, written as the header prints
+# them (tests/test_plan.py evaluates these strings against the printed table).
+STATE_FORMULAS = {0: "(p + g + K)·Ψ", 1: "(p + g)·Ψ + K·Ψ/N", 2: "p·Ψ + (g + K)·Ψ/N",
+                  3: "(p + g + K)·Ψ/N"}
+
+
+def _dtypes(optimizer: str, mixed_precision: bool) -> str:
+    """What the bytes per parameter assume, in words."""
+    state = {"adam": "exp_avg + exp_avg_sq", "adamw": "exp_avg + exp_avg_sq",
+             "sgd": "momentum", "sgd-nomomentum": "nothing"}[optimizer]
+    if mixed_precision:
+        return f"bf16/fp16 params and grads, fp32 master params + fp32 {state}"
+    return f"fp32 params and grads, fp32 {state}"
 
 
 def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
@@ -210,8 +244,12 @@ def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
     lines = [
         f"{params:,.0f} parameters on {where} with {fmt_decimal(memory)} each, "
         f"{precision}, {optimizer}:",
-        f"bytes per parameter: params {k['params']:g}, grads {k['grads']:g}, optimizer state "
-        f"{k['optimizer']:g} (K{', with the fp32 master copy' if mixed_precision else ''})",
+        *textwrap.wrap(
+            f"bytes per parameter: p = {k['params']:g} (params), g = {k['grads']:g} (grads), "
+            f"K = {k['optimizer']:g} (optimizer state): {_dtypes(optimizer, mixed_precision)}."
+            f" Model states per rank, Ψ = {params:,.0f}, N = {world}: " + "; ".join(
+                f"stage {stage} {formula}" for stage, formula in STATE_FORMULAS.items()) + ".",
+            100),
         f"headroom kept free: {fmt_decimal(headroom)} (framework, fragmentation, temporary "
         f"buffers): {fmt_decimal(memory - headroom)} usable per rank.",
         *textwrap.wrap(" ".join(act_lines), 100),
@@ -272,14 +310,32 @@ def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, sh
             "parallelism)." + hint)
 
 
+# memory.step_bytes / hybrid_step_bytes as printed (tests/test_plan.py evaluates them).
+MULTI_NODE_FORMULAS = {
+    "stages 0-2 over all N": "across 2·Ψ·b·(N-1)/N",
+    "stage 3 over all N": "across 3·Ψ·b·(N-1)/N",
+    "hybrid stages 1-2": "in node 2·Ψ·b·(S-1)/S, across 2·(Ψ/S)·b·(R-1)/R",
+    "hybrid stage 3": "in node 3·Ψ·b·(S-1)/S, across 2·(Ψ/S)·b·(R-1)/R"}
+
+
+def _on(nodes: int, who: str, formula: str) -> str:
+    """On one node a ring over all N ranks crosses no node: its bytes stay in the node."""
+    return formula if nodes > 1 or "hybrid" in who else formula.replace("across", "in node")
+
+
 def _multi_node_lines(params, nodes, per_node, memory, optimizer, mixed_precision, headroom,
                       acts, counted) -> list[str]:
     rows = choices(params, nodes, per_node, memory, optimizer, mixed_precision, headroom, acts)
     elem = 2 if mixed_precision else 4
     lines = textwrap.wrap(
-        f"{nodes} nodes x {per_node} ranks. Hybrid: stage 3 over each node's {per_node} ranks, "
-        f"replicated over the {nodes} nodes. Bytes sent per rank per step (ring model, "
-        f"{elem}-byte elements); a ring over all ranks crosses nodes with all of its bytes.", 100)
+        f"{nodes} nodes x {per_node} ranks. Hybrid: each stage over a node's S = {per_node} "
+        f"ranks, replicated over the R = {nodes} nodes. Bytes sent per rank per step (ring "
+        f"model, b = {elem}-byte elements, N = {nodes * per_node}): "
+        + "; ".join(f"{who}: {_on(nodes, who, formula)}"
+                    for who, formula in MULTI_NODE_FORMULAS.items())
+        + ". Simplification: a ring over all N ranks counts ALL of its bytes as crossing "
+        "nodes (every chunk passes a node boundary, so the collective runs at the inter-node "
+        "link's speed; only R of its N hops actually join two nodes).", 100)
     lines += [f"{'choice':<16}{'memory':>11}{'left':>11}{'in node':>11}{'across':>11}  fits"]
     for r in rows:
         lines.append(f"{r['choice']:<16}" + "".join(
@@ -287,6 +343,10 @@ def _multi_node_lines(params, nodes, per_node, memory, optimizer, mixed_precisio
             + f"  {'yes' if r['fits'] else 'no'}")
     lines.append("")
     best = recommend_choice(rows)
+    lines += textwrap.wrap(
+        "Rule with --nodes: of the choices that fit, the FEWEST BYTES ACROSS NODES (ties: "
+        "fewest bytes in all, then the lowest stage), not the one-node rule (the lowest stage "
+        "that fits): inter-node links are the slow ones.", 100)
     if best is None:
         advice = (f"Recommendation: nothing fits on {nodes * per_node} ranks; add nodes (stage "
                   "3 over more ranks), offload, or split the model.")

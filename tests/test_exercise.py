@@ -1,16 +1,21 @@
 """The exercise checker (``python -m minishard.exercise``) passes minishard's own code and fails
 known-wrong versions, each at the example and with the hint a learner needs.
 
-The reference solutions below are thin adapters over the library (SyncBatchNormFunction,
+The reference solutions below are thin adapters over the library (SyncBatchNormFunction.backward,
 FlatBuffer, flat.reduce_grads, ZeRO.clip_grad_norm_) or, for the ring, the algorithm of tutorial
 01 with tensor_split; the known-wrong ones are the classic mistakes: SUM instead of AVG, a
-missing 1/n term, local sums not all-reduced, wrong shard offsets, clipping without min(1, .).
+missing 1/n term, local sums not all-reduced, wrong shard offsets, clipping without min(1, .);
+and four that get the numbers right where the checker used to look (2 and 3 ranks, integer
+inputs, numbers only) and break the contract: a shard layout and a slicing bug that show only
+at 4 ranks, a SyncBN backward with two all-reduces, a ring whose ranks end with different bits.
 Functions are module-level: the ranks import them by reference.
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -23,12 +28,12 @@ from minishard.exercise import EXERCISES, STUBS, check, main
 from minishard.flat import FlatBuffer, reduce_grads
 from minishard.syncbn import SyncBatchNormFunction
 
-WORLDS = (2, 3)
+WORLDS = (2, 3, 4)
 FEW = 12  # examples per world size in these tests (the CLI runs 30)
 
 
 # ------------------------------------------------------------------- reference solutions
-def ring_reference(tensor, rank, world, send_recv):
+def ring_reference(tensor, rank, world, send_recv, *, copy=torch.Tensor.copy_):
     """Tutorial 01's ring, with tensor_split so a short tensor still has N chunks."""
     chunks = tensor.tensor_split(world)
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -41,17 +46,16 @@ def ring_reference(tensor, rank, world, send_recv):
             if phase == "reduce":
                 chunks[in_i].add_(incoming)
             else:
-                chunks[in_i].copy_(incoming)
+                copy(chunks[in_i], incoming)
 
 
 def syncbn_reference(dy, x, mean, invstd, weight, n, all_reduce):
-    """minishard's SyncBatchNormFunction: its forward (which all-reduces the statistics itself)
-    and its backward, through autograd."""
-    x = x.clone().requires_grad_()
-    w = weight.clone().requires_grad_()
-    b = torch.zeros_like(weight, requires_grad=True)
-    y = SyncBatchNormFunction.apply(x, w, b, None, None, 1e-5, 0.0, None, "exercise")
-    return torch.autograd.grad(y, (x, w, b), dy)
+    """minishard's SyncBatchNormFunction.backward, given what its forward saves (here with the
+    shift x0 = 0, so c0 = mean - x0 = mean): the code every training step runs."""
+    ctx = types.SimpleNamespace(
+        saved_tensors=(x, weight, torch.zeros_like(mean), mean, invstd), n=n, group=None,
+        tag="exercise", suffix="", bias_dtype=weight.dtype, needs_input_grad=(True,) * 3)
+    return SyncBatchNormFunction.backward(ctx, dy)[:3]
 
 
 def layout_reference(numels, world, rank):
@@ -108,6 +112,13 @@ def ring_sends_everything(tensor, rank, world, send_recv):
         passing = incoming
 
 
+def ring_gather_adds_difference(tensor, rank, world, send_recv):
+    """The ring's schedule and bytes, but the gather phase ADDS (received - mine) instead of
+    copying: the same in exact arithmetic, not in floats: ranks end with different last bits."""
+    ring_reference(tensor, rank, world, send_recv,
+                   copy=lambda chunk, incoming: chunk.add_(incoming - chunk))
+
+
 def ring_without_gather_phase(tensor, rank, world, send_recv):
     chunks = tensor.tensor_split(world)
     for s in range(world - 1):
@@ -116,15 +127,19 @@ def ring_without_gather_phase(tensor, rank, world, send_recv):
         chunks[(rank - s - 1) % world].add_(incoming)
 
 
-def _bn(dy, x, mean, invstd, weight, n, all_reduce, *, reduce=True, b_over_n=True):
+def _bn(dy, x, mean, invstd, weight, n, all_reduce, *, reduce=True, b_over_n=True,
+        one_call=True):
     C = x.shape[1]
     dims = [0] + list(range(2, x.dim()))
     shape = [1, C] + [1] * (x.dim() - 2)
     xhat = (x - mean.view(shape)) * invstd.view(shape)
     local = torch.cat([dy.sum(dims), (dy * xhat).sum(dims)])
     sums = local.clone()
-    if reduce:
+    if reduce and one_call:
         all_reduce(sums)
+    elif reduce:  # Σdy, then Σdy·x̂: the same sums in two collectives
+        all_reduce(sums[:C])
+        all_reduce(sums[C:])
     A, B = sums[:C].view(shape), sums[C:].view(shape)
     k = (weight * invstd).view(shape)
     dx = k * (dy - A / n - xhat * (B / n if b_over_n else B))
@@ -137,6 +152,10 @@ def syncbn_missing_1_over_n(dy, x, mean, invstd, weight, n, all_reduce):
 
 def syncbn_local_sums(dy, x, mean, invstd, weight, n, all_reduce):
     return _bn(dy, x, mean, invstd, weight, n, all_reduce, reduce=False)
+
+
+def syncbn_two_all_reduces(dy, x, mean, invstd, weight, n, all_reduce):
+    return _bn(dy, x, mean, invstd, weight, n, all_reduce, one_call=False)
 
 
 def syncbn_written_out(dy, x, mean, invstd, weight, n, all_reduce):
@@ -154,6 +173,26 @@ def layout_wrong_offsets(numels, world, rank):
     k = -(-total // world)
     start = rank * total // world  # spreads the REAL elements: not where the equal pieces start
     return k * world, start, max(0, min(k, total - start))
+
+
+def layout_remainder_on_partial_piece(numels, world, rank):
+    """A piece that is not full gets total % k real elements: right for the piece holding the
+    end of the parameters, wrong for a piece of padding only, which first happens at 4 ranks
+    (total 5: k = 2, rank 3 holds [6, 8), 0 real, not 5 % 2 = 1)."""
+    total = sum(numels)
+    k = -(-total // world)
+    start = rank * k
+    return k * world, start, k if start + k <= total else total % k
+
+
+def reduce_slice_not_clamped(full_grad, numel, world, rank, reduce_scatter):
+    """Slices the shard at numel - rank·k without clamping at 0: a negative end counts from the
+    end. At 2 and 3 ranks the negative cases leave an empty piece anyway; at 4 (numel 5: k = 2,
+    rank 3) it keeps an element of padding."""
+    k = full_grad.numel() // world
+    out = torch.empty(k, dtype=full_grad.dtype)
+    reduce_scatter(out, full_grad)
+    return (out / world)[:numel - rank * k]
 
 
 def reduce_sum_not_avg(full_grad, numel, world, rank, reduce_scatter):
@@ -209,16 +248,20 @@ def test_checker_passes_a_plain_written_out_answer(pools):
 
 
 @pytest.mark.parametrize("name, wrong, what, hint", [
-    ("ring_all_reduce", ring_sends_everything, "bytes this rank sent", "2(N-1)/N"),
-    ("ring_all_reduce", ring_without_gather_phase, "the sum over ranks", "gather phase"),
+    ("ring_all_reduce", ring_sends_everything, "same bits on every rank", "each chunk ONCE"),
+    ("ring_all_reduce", ring_without_gather_phase, "the sum over ranks", "exactly once"),
     ("syncbn_backward", syncbn_missing_1_over_n, "dx", "x̂·B/n"),
     ("syncbn_backward", syncbn_local_sums, "dx", "summed over ALL ranks"),
-    ("shard_layout", layout_floor_division, "(padded_numel", "pad the total"),
-    ("shard_layout", layout_wrong_offsets, "(padded_numel", "rank r starts at r·k"),
+    ("shard_layout", layout_floor_division, "(padded_numel", "smallest multiple of N"),
+    ("shard_layout", layout_wrong_offsets, "(padded_numel", "shard_start is wrong"),
     ("reduce_gradient", reduce_sum_not_avg, "averaged gradient", "SUM over ranks"),
     ("reduce_gradient", reduce_keeps_padding, "averaged gradient", "REAL elements"),
     ("clip_grad_norm", clip_without_min, "after clipping", "never scales UP"),
     ("clip_grad_norm", clip_local_norm, "total norm", "all_reduce that sum"),
+    ("shard_layout", layout_remainder_on_partial_piece, "(padded_numel", "only padding"),
+    ("reduce_gradient", reduce_slice_not_clamped, "averaged gradient", "REAL elements"),
+    ("syncbn_backward", syncbn_two_all_reduces, "collectives in your backward", "ONE all_reduce"),
+    ("ring_all_reduce", ring_gather_adds_difference, "same bits on every rank", "each chunk ONCE"),
 ])
 def test_checker_fails_known_wrong_versions(pools, name, wrong, what, hint):
     failure = check(name, wrong, pools, WORLDS, FEW)
@@ -227,6 +270,40 @@ def test_checker_fails_known_wrong_versions(pools, name, wrong, what, hint):
     assert what in failure.what and hint in failure.hint, text
     assert failure.rank >= 0 and failure.expected != failure.got, text
     assert "inputs:" in text and "expected:" in text and "got:" in text
+    if name != "shard_layout":  # every rank's own inputs, not only the failing rank's
+        assert all(f"rank {r}: " in failure.inputs for r in range(failure.world)), text
+
+
+@pytest.mark.parametrize("name, wrong", [("shard_layout", layout_remainder_on_partial_piece),
+                                         ("reduce_gradient", reduce_slice_not_clamped)])
+def test_some_bugs_need_four_ranks(pools, name, wrong):
+    """These two pass every example at 2 and 3 ranks (the old default) and fail at 4: the first
+    world size where several ranks can hold only padding."""
+    assert check(name, wrong, pools, (2, 3), FEW) is None
+    failure = check(name, wrong, pools, (4,), FEW)
+    assert failure is not None and failure.world == 4, failure
+
+
+@pytest.mark.parametrize("name, wrong, contract", [
+    ("syncbn_backward", syncbn_two_all_reduces, "collectives in your backward"),
+    ("ring_all_reduce", ring_gather_adds_difference, "same bits on every rank")])
+def test_the_contract_catches_what_the_numbers_do_not(pools, name, wrong, contract):
+    """The contract is checked after the numbers (per rank, then across ranks): failing it means
+    every number of that example was within the oracle's tolerance, and every earlier example
+    passed whole. Only the contract (one collective; the same bits on every rank) rejects
+    these."""
+    failure = check(name, wrong, pools, WORLDS, FEW)
+    assert failure is not None and contract in failure.what, failure
+
+
+def test_hints_come_in_steps(pools):
+    """What is wrong first; the schedule only after a second failure."""
+    first = check("ring_all_reduce", ring_without_gather_phase, pools, (2,), FEW)
+    second = check("ring_all_reduce", ring_without_gather_phase, pools, (2,), FEW, hint_level=1)
+    schedule = "(rank - s - 1) % N"
+    assert first.what == second.what and "chunk" in first.hint, first
+    assert schedule not in first.hint and "hint 1 of 2" in first.hint, first.hint
+    assert schedule in second.hint and "hint" not in second.hint.split(schedule)[1], second.hint
 
 
 def test_stubs_report_not_implemented(pools):
@@ -244,16 +321,29 @@ def _raises(numels, world, rank):
     return 1 // 0
 
 
-def test_cli_list_and_a_passing_file(tmp_path, capsys):
+def test_cli_list_hint_steps_and_a_passing_file(tmp_path, capsys):
+    """The CLI counts failures per exercise in its attempts file: the second failure shows the
+    next step of the hint, a pass starts the count again."""
     assert main(["--list"]) == 0
     assert "syncbn_backward" in capsys.readouterr().out
     answer = tmp_path / "mine.py"
-    answer.write_text("def shard_layout(numels, world, rank):\n"
-                      "    total = sum(numels)\n"
-                      "    k = -(-total // world)\n"
-                      "    return k * world, rank * k, max(0, min(k, total - rank * k))\n")
-    proc = subprocess.run([sys.executable, "-m", "minishard.exercise", "shard_layout",
-                           str(answer), "--ranks", "2", "--examples", "5"],
-                          capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+    state = tmp_path / "attempts.json"
+
+    def run(real: str) -> subprocess.CompletedProcess:
+        answer.write_text("def shard_layout(numels, world, rank):\n"
+                          "    total = sum(numels)\n"
+                          "    k = -(-total // world)\n"
+                          f"    return k * world, rank * k, {real}\n")
+        return subprocess.run([sys.executable, "-m", "minishard.exercise", "shard_layout",
+                               str(answer), "--ranks", "2", "--examples", "5"],
+                              capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1],
+                              env={**os.environ, "MINISHARD_EXERCISE_STATE": str(state)})
+    wrong = "k"  # every piece full: wrong for the last one when there is padding
+    first, second = run(wrong), run(wrong)
+    assert first.returncode == second.returncode == 1, first.stdout + second.stdout
+    assert "hint 1 of 2" in first.stdout and "max(0, min(k" not in first.stdout, first.stdout
+    assert "max(0, min(k" in second.stdout, second.stdout
+    proc = run("max(0, min(k, total - rank * k))")
     assert proc.returncode == 0 and "PASSED shard_layout" in proc.stdout, proc.stdout + proc.stderr
+    assert "hint 1 of 2" in run(wrong).stdout  # the pass started the count again

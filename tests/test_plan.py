@@ -55,7 +55,7 @@ def test_paper_figure_1_numbers(capsys):
     assert [rows[s][5] for s in range(4)] == ["no", "yes", "yes", "yes"], out
     # stage 0: 2 + 2 + 12 bytes per parameter, nothing divided by 64
     assert rows[0][:3] == ["15 GB", "15 GB", "90 GB"], out
-    assert "K, with the fp32 master copy" in out and "NOT counted" in out
+    assert "fp32 master params + fp32 exp_avg + exp_avg_sq" in out and "NOT counted" in out
     assert "Recommendation: stage 1" in out
     exact = [r["total"] for r in estimate(7.5e9, 64, 80e9, "adam", mixed_precision=True)]
     assert exact == pytest.approx([120e9, 31.40625e9, 16.640625e9, 1.875e9], rel=1e-12)
@@ -273,13 +273,14 @@ def test_multi_node_bytes_are_the_formulas(psi, nodes, per_node, mp):
         crossing = full[stage] if nodes > 1 else 0    # one ring through every rank
         assert rows[name]["cross"] == pytest.approx(float(crossing), rel=1e-12, abs=0)
         assert rows[name]["intra"] == pytest.approx(float(full[stage] - crossing), rel=1e-12)
-    hybrid = rows["hybrid stage 3"]
-    intra = 3 * psi * b * Fraction(per_node - 1, per_node)
     cross = 2 * Fraction(psi, per_node) * b * Fraction(nodes - 1, nodes)
-    assert hybrid["intra"] == pytest.approx(float(intra), rel=1e-12, abs=0)
-    assert hybrid["cross"] == pytest.approx(float(cross), rel=1e-12, abs=0)
+    for stage in (1, 2, 3):  # the stage inside the node, the gradient shard all-reduced across
+        hybrid = rows[f"hybrid stage {stage}"]
+        intra = (3 if stage == 3 else 2) * psi * b * Fraction(per_node - 1, per_node)
+        assert hybrid["intra"] == pytest.approx(float(intra), rel=1e-12, abs=0)
+        assert hybrid["cross"] == pytest.approx(float(cross), rel=1e-12, abs=0)
     # memory: stage 3 over the S ranks of a node, 16 bytes per parameter (either precision)
-    assert hybrid["states"] == pytest.approx(16 * psi / per_node, rel=1e-12)
+    assert rows["hybrid stage 3"]["states"] == pytest.approx(16 * psi / per_node, rel=1e-12)
     assert rows["stage 3"]["states"] == pytest.approx(16 * psi / n, rel=1e-12)
 
 
@@ -289,11 +290,18 @@ def test_multi_node_cli_recommends_hybrid_when_it_fits(capsys):
     table = {line[:16].strip(): line[16:].split() for line in out.splitlines()
              if line.startswith(("DDP", "stage ", "hybrid"))}
     # 7e9 fp32 params, N = 8: stage 0 2Ψb(N-1)/N = 49 GB, stage 3 73.5 GB, all across nodes;
-    # hybrid 3Ψb(3/4) = 63 GB in the node + 2(Ψ/4)b(1/2) = 7 GB across
+    # hybrid 3Ψb(3/4) = 63 GB in the node + 2(Ψ/4)b(1/2) = 7 GB across; hybrid stages 1-2
+    # 2Ψb(3/4) = 42 GB in the node, the same 7 GB across
     assert table["DDP (stage 0)"][4:8] == ["0", "B", "49", "GB"]
     assert table["stage 3"][4:8] == ["0", "B", "73.5", "GB"]
     assert table["hybrid stage 3"][4:8] == ["63", "GB", "7", "GB"]
-    assert "Recommendation: hybrid stage 3" in out
+    assert table["hybrid stage 1"][4:8] == table["hybrid stage 2"][4:8] == ["42", "GB", "7", "GB"]
+    # hybrid stage 1 holds (4 + 4)Ψ + 8Ψ/4 = 70 GB <= 72 GB usable: it fits, and ties hybrid
+    # stages 2-3 across nodes with fewer bytes in all: the --nodes rule picks it, and says so
+    assert table["hybrid stage 1"][:2] == ["70", "GB"] and table["hybrid stage 1"][-1] == "yes"
+    assert "Recommendation: hybrid stage 1" in out
+    assert "Rule with --nodes: of the choices that fit, the FEWEST BYTES ACROSS NODES" in \
+        out.replace("\n", " ")
     one = run_cli(capsys, "--params", "7B", "--nodes", "1", "--ranks-per-node", "8", "--memory",
                   "80GB")
     assert "Recommendation: stage 1, the lowest stage that fits" in one.replace("\n", " ")
@@ -304,6 +312,78 @@ def test_multi_node_cli_recommends_hybrid_when_it_fits(capsys):
         main(["--params", "7B", "--nodes", "2", "--ranks-per-node", "4", "--ranks", "6",
               "--memory", "80GB"])
     assert "give one or the other" in capsys.readouterr().err
+
+
+# ------------------------------------------------- the printed formulas vs the printed numbers
+def printed_value(cell: str) -> float:
+    """'38.5 GB' -> 38.5e9, '-230 GB' -> -2.3e11, '0 B' -> 0 (decimal units, as printed)."""
+    number, unit = cell.replace(",", "").split()
+    return float(number) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit]
+
+
+def run_printed(formula: str, **names: float) -> float:
+    """Evaluates a formula exactly as printed ('·' is a product), with the printed names."""
+    assert re.fullmatch(r"[\w\s·+\-*/().Ψ]+", formula), formula
+    return eval(formula.replace("·", "*").replace("Ψ", "psi"), {}, names)  # noqa: S307
+
+
+def close(a: float, b: float) -> bool:
+    """Equal to the 3 significant digits the table prints."""
+    return abs(a - b) <= 0.006 * max(abs(a), abs(b)) + 0.5
+
+
+@pytest.mark.parametrize("argv", [
+    ["--params", "7B", "--ranks", "8", "--memory", "80GB"],
+    ["--params", "7B", "--ranks", "8", "--memory", "80GB", "--mixed-precision"],
+    ["--params", "1.3B", "--ranks", "4", "--memory", "24GB", "--optimizer", "sgd", *SHAPE_1_3B],
+    ["--params", "1.3B", "--ranks", "4", "--memory", "24GB", "--mixed-precision", *SHAPE_1_3B,
+     "--checkpointing"],
+    ["--params", "70B", "--nodes", "4", "--ranks-per-node", "8", "--memory", "80GB",
+     "--mixed-precision"]])
+def test_printed_formulas_compute_the_printed_numbers(capsys, argv):
+    """Reads the header as a learner would: the bytes per parameter, Ψ, N, the model-state and
+    activation formulas (and the multi-node ones); runs each formula on those printed values and
+    finds the printed table's numbers. A label that drifts from what is computed fails here."""
+    out = run_cli(capsys, *argv)
+    flat = " ".join(out.split())
+    p, g, k = (float(re.search(rf"{name} = ([0-9.]+) \(", flat).group(1)) for name in "pgK")
+    psi = float(re.search(r"Ψ = ([0-9,]+)", flat).group(1).replace(",", ""))
+    n = int(re.search(r", N = (\d+):", flat).group(1))
+    rows = table_rows(out)
+    for stage in range(4):
+        formula = re.search(rf"stage {stage} ([^;]+?)[;.] ", flat).group(1)
+        states = run_printed(formula, p=p, g=g, K=k, psi=psi, N=n)
+        assert close(states, printed_value(rows[stage][3])), (stage, formula, rows[stage])
+    if "--layers" in argv:
+        m = re.search(r"\): (L·.+?) without checkpointing, (L·.+?) with full activation "
+                      r"checkpointing, for L=(\d+) layers, s=(\d+), b=(\d+), h=(\d+), a=(\d+)",
+                      flat)
+        dims = dict(zip("Lsbha", map(int, m.groups()[2:])))
+        used = m.group(2) if "--checkpointing" in argv else m.group(1)
+        acts = run_printed(used, **dims)
+        assert all(close(acts, printed_value(r[4])) for r in rows.values()), (used, rows)
+        # the activation formula for the dtype the header names: 16-bit with mixed precision
+        bits = "16-bit" if "--mixed-precision" in argv else "32-bit"
+        assert f"{bits} activations" in flat
+    if "--nodes" in argv:
+        s, r = int(argv[argv.index("--ranks-per-node") + 1]), int(argv[argv.index("--nodes") + 1])
+        b = float(re.search(r"b = (\d)-byte", flat).group(1))
+        table = {line[:16].strip(): line[16:].split() for line in out.splitlines()
+                 if line.startswith(("DDP", "stage ", "hybrid"))}
+        names = dict(psi=psi, b=b, N=n, S=s, R=r)
+        for label, choices in (("stages 0-2 over all N", ["DDP (stage 0)", "stage 1", "stage 2"]),
+                               ("stage 3 over all N", ["stage 3"]),
+                               ("hybrid stages 1-2", ["hybrid stage 1", "hybrid stage 2"]),
+                               ("hybrid stage 3", ["hybrid stage 3"])):
+            text = re.search(rf"{label}: ([^;]+?)[;.] ", flat).group(1)
+            inside = re.search(r"in node ([^,]+)", text)
+            across = re.search(r"across (\S+)", text).group(1)
+            for choice in choices:
+                cells = table[choice]
+                got_in, got_across = (printed_value(" ".join(cells[i:i + 2])) for i in (4, 6))
+                assert close(run_printed(across, **names), got_across), (choice, text, cells)
+                assert close(run_printed(inside.group(1), **names) if inside else 0, got_in), \
+                    (choice, text, cells)
 
 
 # ------------------------------------------------------- the estimator vs the measured engine

@@ -23,7 +23,9 @@ Stage 3 needs 16Ψ/N per rank plus a few units in flight. The steps, each assert
   4. EXPORT with ``full_state_dict(rank0_only=True)``: rank 0 receives the model unit by unit
      and is the only one to hold the full dict (4Ψ: the file a single-process user loads);
      the other ranks return {} and never hold more than one unit of it.
-  5. STAGE 0 DOES NOT FIT: the estimator (``python -m minishard.plan``) says so, and on Linux a
+  5. STAGE 0 DOES NOT FIT: the estimator (``python -m minishard.plan``) says so (and says why
+     this lesson trains stage 3 at every N: at 2 ranks stage 2 would fit too and is what the
+     estimator recommends; at 3 and 4 stage 3 is the only fit), and on Linux a
      child process under a hard address-space limit of one budget (``RLIMIT_AS``) tries it for
      real: it can hold a stage-3 rank's measured peak, and dies with the allocator's
      out-of-memory error when it trains the model as a stage-0 rank would.
@@ -36,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from datetime import timedelta
 
 import torch
@@ -95,6 +98,21 @@ def check_equals_eager(say) -> None:
     assert all(torch.equal(exported[k], v) for k, v in eager.state_dict().items())
     say("Built on meta and wrapped with seed 7 == torch.manual_seed(7); build(): equal, "
         "bit for bit.\n")
+
+
+def why_stage_3(world: int, fitting: list[int]) -> str:
+    """Why this lesson trains stage 3 whatever the estimator recommends, at this world size."""
+    if fitting == [3]:
+        return textwrap.fill(f"At {world} ranks stage 3 is the only stage that fits, so the "
+                             "estimator recommends it too: the stage this lesson trained.", 100)
+    lowest = min(fitting)
+    return textwrap.fill(
+        f"At {world} ranks stages {fitting} fit, and the estimator recommends stage {lowest}, "
+        "the lowest that fits (it sends 2Ψ per step, as DDP does, where stage 3 sends 3Ψ). "
+        "This lesson trains stage 3 at every world size all the same: it is the stage that "
+        "fits at 2, 3 and 4 ranks alike, the only one whose whole state is divided by N "
+        "(16Ψ/N), and the only one that never holds the full parameters, which is what "
+        "building on meta (step 1) is for.", 100)
 
 
 def oom_child(budget: int, share: int) -> None:
@@ -198,6 +216,7 @@ def main(rank: int, world: int) -> None:
     rows = {r["stage"]: r for r in estimate(psi, world, BUDGET)}
     say("\n" + report(psi, world, BUDGET) + "\n")
     assert not rows[0]["fits"] and rows[3]["fits"]
+    say(why_stage_3(world, [s for s, r in rows.items() if r["fits"]]) + "\n")
     if rank == 0 and sys.platform.startswith("linux"):
         child = subprocess.run([sys.executable, __file__, "--oom-child", str(int(BUDGET)),
                                 str(int(max(peaks))), str(blocks)],

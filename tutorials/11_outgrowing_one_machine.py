@@ -17,7 +17,9 @@ splits into two pretend nodes of 2 ranks, saying so.)
 
 Inside a machine ranks talk over NVLink or shared memory; between machines, over a network that
 is often 10x slower. Stage 3 over all N ranks sends every all-gather and reduce-scatter through
-the slow links. Hybrid sharding (FSDP's HYBRID_SHARD / HSDP, ZeRO++'s hpZ) arranges the ranks in a
+the slow links. Hybrid sharding (FSDP1's HYBRID_SHARD, FSDP2 on a 2-D mesh (HSDP), DeepSpeed's
+MiCS; not ZeRO++'s hpZ, which keeps optimizer state and gradients sharded over all N ranks and
+only adds an in-node copy of the parameters for the backward all-gather) arranges the ranks in a
 2-D mesh, one row per node:
 
     mesh  [[0 1]      shard dim (a row, one node):   stage 3 inside it, gathers and all
@@ -28,7 +30,14 @@ the slow links. Hybrid sharding (FSDP's HYBRID_SHARD / HSDP, ZeRO++'s hpZ) arran
       full sharding   3Ψ(N-1)/N   across nodes, N = R·S
       hybrid          3Ψ(S-1)/S   inside a node   +   2(Ψ/S)(R-1)/R   across nodes
 
-The price: each rank holds 1/S of the parameters, gradients and optimizer state, not 1/N.
+The price: each rank holds 1/S of the parameters, gradients and optimizer state, not 1/N. With
+ONE rank per node (S = 1) nothing is sharded: every rank holds everything and all-reduces its
+gradients across nodes, which is plain DDP (stage 0); the script says so when it sees it.
+
+"Across nodes" for full sharding counts EVERY byte of a collective over all N ranks as crossing:
+a simplification of the ring model (ranks of a node adjacent, only R of the ring's N hops join
+two nodes, but every chunk passes one of them, so the whole collective runs at the inter-node
+link's speed). The script prints it beside the numbers.
 This script builds the mesh from what torchrun told each rank (LOCAL_WORLD_SIZE ranks per node),
 trains the same model with full and with hybrid sharding, splits each ledger into bytes inside a
 node and across nodes, and asserts both against the formulas, and that the two trainings agree.
@@ -36,6 +45,7 @@ node and across nodes, and asserts both against the formulas, and that the two t
 import gc
 import os
 import sys
+import textwrap
 from datetime import timedelta
 from fractions import Fraction
 
@@ -130,6 +140,19 @@ def main(rank: int, world: int) -> None:
     say(f"\nacross nodes: full 3Ψ(N-1)/N·4 = {float(expect['full'][1]):,.0f} B, hybrid "
         f"2(Ψ/S)(R-1)/R·4 = {float(expect['hybrid'][1]):,.0f} B: "
         f"{float(expect['full'][1] / expect['hybrid'][1]):.1f}x fewer over the slow links.")
+    say(textwrap.fill(
+        "(Counted the simple way: an entry crosses nodes when its group spans more than one "
+        "node, and then ALL its bytes count as crossing. On a ring with each node's ranks "
+        f"adjacent only {r} of its {n} hops join two nodes, but every chunk passes one, so the "
+        "collective runs at the inter-node link's speed.)", 100))
+    if s == 1:
+        ddp = Fraction(2 * psi * (r - 1) * 4, r)  # one all-reduce of the full gradient, ring
+        assert expect["hybrid"] == (0, ddp), expect
+        say(textwrap.fill(
+            "One rank per node: the shard groups hold one rank each, nothing is sharded "
+            "(optimizer state 8Ψ/1), and the only traffic is the all-reduce of the full "
+            f"gradient across nodes, 2Ψ(R-1)/R·4 = {float(ddp):,.0f} B: this is plain DDP "
+            "(stage 0).", 100))
     say("rank 0's hybrid ledger by group (each Entry knows its ranks and mesh dim):")
     for (dim, ranks), sent in hybrid_led.by_group().items():
         say(f"  {dim or 'default':<10} ranks {list(ranks)}: {float(sent):,.0f} B")

@@ -4,16 +4,37 @@
     torchrun --standalone --nproc_per_node=4 tutorials/12_beside_the_stock_tools.py
 
 You have learned the ideas on minishard; at work you will use torch's FSDP (FSDP2's
-``fully_shard`` is where new code goes), DDP, or DeepSpeed. They implement the same four stages,
-with other names. This lesson trains ONE small model with each minishard stage AND its stock
-equivalent, side by side on the same data, and asserts that they end with equal parameters (and
-both equal one process trained on the global batch):
+``fully_shard`` is where new code goes), DDP, or DeepSpeed. They shard the same three things,
+with other names and other schedules. This lesson trains ONE small model with each minishard
+stage AND the stock tool closest to it, side by side on the same data, and asserts that they end
+with equal parameters (and both equal one process trained on the global batch). Then it
+MEASURES both sides of every row, the bytes sent in one step and the bytes held between steps,
+and asserts how they relate: equal names do not mean equal costs.
 
-    minishard              stock equivalent trained beside it
-    stage 0                DistributedDataParallel
-    stage 1                DDP + ZeroRedundancyOptimizer (the optimizer state is sharded)
-    stage 2                FSDP1 SHARD_GRAD_OP,  FSDP2 fully_shard(reshard_after_forward=False)
-    stage 3                FSDP1 FULL_SHARD,     FSDP2 fully_shard (the default)
+    stage 0 beside DistributedDataParallel
+        same     one all-reduce of the gradients per step
+        differs  DDP keeps its gradient bucket (4Ψ) between steps; stage 0 frees its gradients
+    stage 1 beside DDP + ZeroRedundancyOptimizer (FSDP has no stage 1)
+        same     the optimizer state is sharded
+        differs  DDP all-reduces the FULL gradient, then each rank broadcasts its updated
+                 shard: 3 passes per step where stage 1 sends 2 (reduce-scatter, all-gather);
+                 ZeroRedundancyOptimizer's shards are whole parameters, minishard's equal slices
+    stage 2 beside FSDP1 SHARD_GRAD_OP and FSDP2 fully_shard(reshard_after_forward=False)
+        same     gradients and optimizer state sharded; FSDP1 sends what stage 2 sends (one
+                 all-gather and one reduce-scatter of the parameters per step)
+        differs  between steps FSDP holds parameter SHARDS (torch's docstring: it reshards after
+                 backward), minishard's stage 2 the FULL parameters; FSDP2 also reshards after
+                 a no_sync backward and gathers again: 3 passes where stage 2 sends 2
+    stage 3 beside FSDP1 FULL_SHARD and FSDP2 fully_shard
+        same     everything sharded; gathered before forward and before backward, gradients
+                 reduce-scattered after it: 5 passes per step here (with no_sync, 2 gathers per
+                 micro-batch and one reduce-scatter)
+        differs  FSDP2 pads each parameter's dim 0 (minishard and FSDP1 a unit's flat buffer),
+                 so its passes are longer when N does not divide the rows; both FSDPs keep
+                 some bytes of their own between steps beyond shards and momentum (printed)
+
+(A pass: one all-gather or reduce-scatter over all the parameters, (N-1)/N x 4 bytes per element
+sent per rank in the ring model; an all-reduce is two passes, a broadcast one.)
 
 Every step is the complete loop of tutorial 06 in each tool's own spelling: two micro-batches, the
 first without gradient synchronisation (minishard ``no_sync``, FSDP2
@@ -21,27 +42,34 @@ first without gradient synchronisation (minishard ``no_sync``, FSDP2
 final parameters are read the way each tool offers (``full_state_dict()``, ``summon_full_params``,
 ``DTensor.full_tensor()``). SGD keeps the comparison strict: float rounding that differs between
 tools stays at rounding size (Adam divides by the square root of tiny second moments in its first
-steps and can amplify it).
+steps and can amplify it). What each stock tool sends is recorded by wrapping torch.distributed's
+collectives for the last step (DDP's reducer calls C++ directly: the lesson registers torch's own
+``allreduce_hook``, which goes through ``dist.all_reduce``); what it holds, from the storage of
+every tensor Python can see.
 
-One difference the numbers do not show: DDP + ZeroRedundancyOptimizer still all-reduces the FULL
-gradient (DDP does), then each rank updates its shard and broadcasts it: 3 x (N-1)/N x Ψ bytes
-per rank where minishard's stage 1 sends 2 x (a reduce-scatter and an all-gather). FSDP offers
-no stage 1 of its own.
+Where DeepSpeed differs (read from its documentation, not run here): its engine refuses
+``no_sync()`` at stages 2-3 ("no_sync context manager is incompatible with gradient
+partitioning"), and ``gradient_accumulation_steps`` there reduces every micro-batch's gradients
+(minishard and FSDP skip the reduction under no_sync and hold full gradients instead). Its
+hierarchical partitioning (ZeRO++ hpZ, ``zero_hpz_partition_size``) keeps optimizer state and
+gradients sharded over ALL ranks and adds a secondary copy of the parameters, sharded inside a
+node, for the backward all-gather; minishard's ``mesh=`` shards everything inside a node and
+replicates across nodes, as FSDP's HYBRID_SHARD and DeepSpeed's MiCS (``mics_shard_size``) do.
 
 The same options, spelled four ways (this table is printed at the end too):
 
 --- options ---
 minishard.ZeRO(m, stage=0)
-    FSDP1      DistributedDataParallel(m)  (FSDP(m, sharding_strategy=NO_SHARD) is the same)
+    FSDP1      DistributedDataParallel(m)  (or FSDP(m, sharding_strategy=NO_SHARD))
     FSDP2      replicate(m), or DistributedDataParallel(m)
     DeepSpeed  "zero_optimization": {"stage": 0}
 stage=1
-    FSDP1      DDP(m) + ZeroRedundancyOptimizer(params, optimizer_class=...)
+    FSDP1      DDP(m) + ZeroRedundancyOptimizer(params, optimizer_class=...)  (3 passes, not 2)
     FSDP2      (no stage 1)
     DeepSpeed  "zero_optimization": {"stage": 1}
 stage=2
-    FSDP1      FSDP(m, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)
-    FSDP2      fully_shard(m, reshard_after_forward=False)
+    FSDP1      FSDP(m, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)  (shards between steps)
+    FSDP2      fully_shard(m, reshard_after_forward=False)  (shards between steps)
     DeepSpeed  "zero_optimization": {"stage": 2}
 stage=3
     FSDP1      FSDP(m, sharding_strategy=ShardingStrategy.FULL_SHARD)  (the default)
@@ -64,9 +92,9 @@ bucket_bytes=4 * 2**20  (stages 2-3: several units per collective)
     FSDP2      fully_shard([block_a, block_b]): a list of modules is one communication group
     DeepSpeed  "stage3_prefetch_bucket_size": bytes, "reduce_bucket_size": bytes
 with m.no_sync():
-    FSDP1      with m.no_sync():
-    FSDP2      m.set_requires_gradient_sync(False) ... m.set_requires_gradient_sync(True)
-    DeepSpeed  "gradient_accumulation_steps": k  (engine.backward / engine.step count them)
+    FSDP1      with m.no_sync():  (SHARD_GRAD_OP then keeps the parameters gathered, as stage 2)
+    FSDP2      m.set_requires_gradient_sync(False) ... (True)  (still reshards: 3 passes, above)
+    DeepSpeed  engine.no_sync() at stages 0-1 only; "gradient_accumulation_steps": k at any
 m.clip_grad_norm_(max_norm)
     FSDP1      m.clip_grad_norm_(max_norm)
     FSDP2      torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)  (DTensor grads)
@@ -84,9 +112,9 @@ process_group=pg
     FSDP2      mesh=init_device_mesh("cuda", (N,))  (a 1-D DeviceMesh)
     DeepSpeed  deepspeed.initialize(..., mpu=...)  (its data-parallel group)
 mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
-    FSDP1      sharding_strategy=ShardingStrategy.HYBRID_SHARD
-    FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP)
-    DeepSpeed  "zero_optimization": {"stage": 3, "zero_hpz_partition_size": S}  (ZeRO++ hpZ)
+    FSDP1      ShardingStrategy.HYBRID_SHARD (stage 3), _HYBRID_SHARD_ZERO2 (stage 2); none for 1
+    FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP; stages 2-3)
+    DeepSpeed  "zero_optimization": {"stage": 3, "mics_shard_size": S}  (MiCS; hpZ is not this)
 param_groups=[{"params": no_decay, "weight_decay": 0.0}]; AdamW(m.param_groups())
     FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
     FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
@@ -104,11 +132,16 @@ DeepSpeed has no explicit units: at stage 3 it gathers each submodule's paramete
 tuned by stage3_prefetch_bucket_size, stage3_max_live_parameters and
 stage3_param_persistence_threshold (parameters smaller than it stay gathered).
 """
-from datetime import timedelta
+import contextlib
+import gc
+import inspect
+import textwrap
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy, fully_shard
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -116,7 +149,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import minishard
-
+from minishard import comm
 
 
 def options_table() -> str:
@@ -188,80 +221,149 @@ def local_rows(rank: int, world: int, mb: int) -> list[int]:
     return list(range(start, start + per_rank // 2))
 
 
-def train(model, opt, no_sync, clip) -> None:
+def train(model, opt, no_sync, clip, watch, before: int) -> tuple[list, int]:
     """The same loop for every tool: ``no_sync()`` a context for the first micro-batch,
-    ``clip()`` clips by the global norm."""
+    ``clip()`` clips by the global norm. ``watch()`` records the collectives of the LAST step
+    (the steady state). Returns them, and the bytes this tool holds between steps: tensor storage
+    alive after that step, gradients zeroed (set to None), less ``before`` (taken before the
+    model was built)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(STEPS):
         x, y = data(step)
-        for mb in range(2):
-            rows = local_rows(rank, world, mb)
-            with no_sync() if mb == 0 else _nothing():
-                (loss_fn(model, x[rows], y[rows]) / 2).backward()
-        clip()
-        opt.step()
-        opt.zero_grad()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        with (watch() if step == STEPS - 1 else contextlib.nullcontext()) as seen:
+            for mb in range(2):
+                rows = local_rows(rank, world, mb)
+                with no_sync() if mb == 0 else contextlib.nullcontext():
+                    (loss_fn(model, x[rows], y[rows]) / 2).backward()
+            clip()
+            opt.step()
+            opt.zero_grad()
+    del x, y, rows
+    return seen, tensor_bytes_alive() - before
 
 
 def sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
 
 
+# ------------------------------------------------------------- what each tool sends and holds
+def tensor_bytes_alive() -> int:
+    """Bytes of every distinct tensor storage alive in this process that Python can see (the
+    garbage collector's tensors; a storage shared by views counted once)."""
+    gc.collect()
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, nn.Parameter) or \
+                type(obj).__name__ == "FlatParameter":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+# torch.distributed's collectives that the stock wrappers call from Python, by ledger name.
+STOCK_OPS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "all_gather": "all_gather",
+             "all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter"}
+
+
+@contextlib.contextmanager
+def stock_traffic():
+    """Records every collective issued through torch.distributed inside the block as (op, bytes
+    of the full tensor): an all-gather's output, a reduce-scatter's input, as minishard's ledger
+    counts them. DDP's reducer calls C++ directly; run_ddp registers torch's own
+    ``allreduce_hook``, which all-reduces each bucket through ``dist.all_reduce``."""
+    seen, saved = [], {name: getattr(dist, name) for name in STOCK_OPS}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            first, second = (list(inspect.signature(saved[name]).bind(*args, **kwargs)
+                                  .arguments.values()) + [None])[:2]
+            full = second if name == "reduce_scatter_single" else first
+            tensors = full if isinstance(full, (list, tuple)) else [full]
+            seen.append((STOCK_OPS[name], sum(t.numel() * t.element_size() for t in tensors)))
+            return saved[name](*args, **kwargs)
+        return call
+
+    for name in STOCK_OPS:
+        setattr(dist, name, counting(name))
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def minishard_traffic():
+    """The same records from minishard's own ledger."""
+    with minishard.ledger() as led:
+        seen = []
+        yield seen
+    seen += [(e.op, e.numel * e.dtype.itemsize) for e in led.entries]
+
+
+SMALL = 16  # bytes: the norms and flags that clipping all-reduces are left out of the counts
+
+
+def traffic_summary(seen: list, world: int) -> tuple[dict[str, int], Fraction]:
+    """({op: calls}, bytes sent per rank in the ring model) of the parameter-sized collectives."""
+    big = [(op, b) for op, b in seen if b >= SMALL]
+    calls = {op: sum(1 for o, _ in big if o == op) for op in dict.fromkeys(o for o, _ in big)}
+    return calls, sum((comm.ring_bytes(op, b, world) for op, b in big), Fraction(0))
+
+
 # ------------------------------------------------------------------------------ each tool
-def run_minishard(stage: int) -> dict[str, torch.Tensor]:
+def run_minishard(stage: int):
+    before = tensor_bytes_alive()
     model = minishard.ZeRO(fresh_model(), stage=stage, units={Block})
-    train(model, sgd(model.parameters()), model.no_sync,
-          lambda: model.clip_grad_norm_(MAX_NORM))
-    return model.full_state_dict()  # full tensors on every rank, the unwrapped model's names
+    seen, held = train(model, sgd(model.parameters()), model.no_sync,
+                       lambda: model.clip_grad_norm_(MAX_NORM), minishard_traffic, before)
+    return model.full_state_dict(), seen, held  # full_state_dict: every rank, plain names
 
 
-def run_ddp(zero_optimizer: bool) -> dict[str, torch.Tensor]:
+def run_ddp(zero_optimizer: bool):
+    before = tensor_bytes_alive()
     model = DDP(fresh_model())
+    model.register_comm_hook(None, allreduce_hook)  # what DDP does, through dist.all_reduce
     opt = (ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=LR,
                                    momentum=MOMENTUM)
            if zero_optimizer else sgd(model.parameters()))
     # DDP keeps full gradients on every rank: the local norm IS the global norm.
-    train(model, opt, model.no_sync,
-          lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
-    return named(model)
+    seen, held = train(model, opt, model.no_sync,
+                       lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+                       stock_traffic, before)
+    return named(model), seen, held
 
 
-def run_fsdp1(strategy: ShardingStrategy) -> dict[str, torch.Tensor]:
+def run_fsdp1(strategy: ShardingStrategy):
+    before = tensor_bytes_alive()
     model = FSDP(fresh_model(), sharding_strategy=strategy,
                  auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
                  device_id=torch.device("cpu"))  # FSDP1 needs the device named to run on CPU
-    train(model, sgd(model.parameters()), model.no_sync,
-          lambda: model.clip_grad_norm_(MAX_NORM))
+    seen, held = train(model, sgd(model.parameters()), model.no_sync,
+                       lambda: model.clip_grad_norm_(MAX_NORM), stock_traffic, before)
     with FSDP.summon_full_params(model):  # minishard: with model.gathered():
-        return named(model)
+        return named(model), seen, held
 
 
-def run_fsdp2(reshard_after_forward: bool) -> dict[str, torch.Tensor]:
+def run_fsdp2(reshard_after_forward: bool):
+    before = tensor_bytes_alive()
     model = fresh_model()
     for block in model:
         fully_shard(block, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
 
-    class no_sync:  # FSDP2 has no context manager: a flag on the module
-        def __enter__(self):
-            model.set_requires_gradient_sync(False)
-
-        def __exit__(self, *exc):
-            model.set_requires_gradient_sync(True)
+    @contextlib.contextmanager
+    def no_sync():  # FSDP2 has no context manager: a flag on the module
+        model.set_requires_gradient_sync(False)
+        yield
+        model.set_requires_gradient_sync(True)
 
     # The parameters are DTensors (Shard(0) over the ranks): clip_grad_norm_ reduces the norm
     # across ranks by itself.
-    train(model, sgd(model.parameters()), no_sync,
-          lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
-    return named(model)  # each DTensor parameter's full_tensor(): an all-gather
+    seen, held = train(model, sgd(model.parameters()), no_sync,
+                       lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM),
+                       stock_traffic, before)
+    return named(model), seen, held  # each DTensor parameter's full_tensor(): an all-gather
 
 
 PAIRS = [
@@ -279,6 +381,76 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def padded(world: int) -> dict[str, int]:
+    """Elements one pass over the parameters moves, by each tool's padding rule: minishard and
+    FSDP1 pad a unit's flat buffer to a multiple of N; FSDP2 pads each parameter's dim 0 to a
+    multiple of N; DDP and ZeroRedundancyOptimizer move the parameters as they are."""
+    shapes = [p.shape for p in Block().parameters()]
+    per_block = sum(s.numel() for s in shapes)
+    return {"plain": BLOCKS * per_block,
+            "flat": BLOCKS * -(-per_block // world) * world,
+            "dim0": BLOCKS * sum(-(-s[0] // world) * world * s[1:].numel() for s in shapes)}
+
+
+# What one step (two micro-batches, the first under no_sync) sends, in passes over the
+# parameters (a pass = one all-gather or reduce-scatter of all of them, (N-1)/N x 4 bytes per
+# element; an all-reduce is two, a broadcast one), and each tool's padding (padded() above).
+PASSES = {0: (2, "plain"), "DDP": (2, "plain"),  # one all-reduce after the last micro-batch
+          1: (2, "flat"), "DDP + ZeroRedundancyOptimizer": (3, "plain"),  # + broadcast of shards
+          2: (2, "flat"), "FSDP1 SHARD_GRAD_OP": (2, "flat"),  # one gather, one reduce-scatter
+          "FSDP2 reshard_after_forward=False": (3, "dim0"),  # it reshards after EVERY backward
+          3: (5, "flat"), "FSDP1 FULL_SHARD": (5, "flat"), "FSDP2 fully_shard": (5, "dim0")}
+
+
+def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
+    """Bytes sent in the last step and bytes held after it, both sides of every row, measured;
+    then the relations the options table states, asserted on the measurements."""
+    sizes = padded(world)
+
+    def expected(key) -> Fraction:
+        passes, rule = PASSES[key]
+        return passes * Fraction(world - 1, world) * 4 * sizes[rule]
+
+    say(textwrap.fill(f"Measured on rank 0, the last step: bytes sent (ring model, collectives "
+                      f"under {SMALL} bytes left out) and bytes of tensors held after it "
+                      "(params, optimizer state and whatever the tool keeps; gradients set to "
+                      "None):", 100))
+    say(f"{'minishard':<10}{'sent':>7}{'held':>7}   {'stock equivalent':<36}{'sent':>7}{'held':>7}"
+        "   collectives (ours | stock)")
+    for stage, name, _ in PAIRS:
+        (our_calls, our_sent), (calls, sent) = (traffic_summary(ours[stage][0], world),
+                                                traffic_summary(stocks[name][0], world))
+        assert our_sent == expected(stage) and sent == expected(name), (stage, name, our_sent,
+                                                                         sent)
+        say(f"stage {stage:<4}{float(our_sent):>7,.0f}{ours[stage][1]:>7,}   {name:<36}"
+            f"{float(sent):>7,.0f}{stocks[name][1]:>7,}   {fmt_calls(our_calls)} | "
+            f"{fmt_calls(calls)}")
+    held = {k: v[1] for k, v in list(ours.items()) + list(stocks.items())}
+    full_minus_shard = 4 * sizes["flat"] * (world - 1) // world
+    # Between steps: DDP keeps its gradient bucket, a full gradient (stage 0 frees its own);
+    # the stock stage-2 equivalents reshard after backward (they then hold what their stage 3
+    # holds), where minishard's stage 2 keeps the full parameters.
+    assert held["DDP"] - held[0] == 4 * sizes["plain"], held
+    assert held["FSDP1 SHARD_GRAD_OP"] == held["FSDP1 FULL_SHARD"], held
+    assert held["FSDP2 reshard_after_forward=False"] == held["FSDP2 fully_shard"], held
+    assert held[2] - held[3] == full_minus_shard, (held, full_minus_shard)
+    say(textwrap.fill(
+        "Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
+        f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ); DDP + ZeroRedundancyOptimizer "
+        "sends 3 passes where stage 1 sends 2; FSDP1 SHARD_GRAD_OP sends what stage 2 sends, "
+        "FSDP2 with reshard_after_forward=False a third pass more (it reshards after the no_sync "
+        "backward too, and gathers again); between steps both hold what their FULL_SHARD "
+        f"holds, while minishard's stage 2 holds {full_minus_shard:,} B more than its stage 3 "
+        "(the full parameters); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
+        "micro-batch, 1 reduce-scatter). Where the passes agree, the bytes differ only by padding (FSDP2 pads every "
+        "parameter's dim 0).", 100) + "\n")
+
+
+def fmt_calls(calls: dict[str, int]) -> str:
+    short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "broadcast": "BC"}
+    return " ".join(f"{short[op]}x{n}" for op, n in calls.items()) or "-"
+
+
 def main(rank: int, world: int) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{world} rank{'s' if world > 1 else ''}; {BLOCKS} blocks of Linear({WIDTH}, {WIDTH}); "
@@ -289,15 +461,18 @@ def main(rank: int, world: int) -> None:
     ours = {stage: run_minishard(stage) for stage in range(4)}
     say(f"{'minishard':<12}{'stock equivalent':<36}{'|ours - stock|':>15}{'|ours - 1 proc|':>17}"
         f"{'|stock - 1 proc|':>18}")
+    stocks = {}
     for stage, name, run in PAIRS:
-        stock = run()
-        d_pair, d_ours, d_stock = (max_diff(ours[stage], stock), max_diff(ours[stage], want),
-                                   max_diff(stock, want))
+        stock = stocks[name] = run()
+        d_pair, d_ours, d_stock = (max_diff(ours[stage][0], stock[0]),
+                                   max_diff(ours[stage][0], want), max_diff(stock[0], want))
         say(f"stage {stage:<6}{name:<36}{d_pair:>15.1e}{d_ours:>17.1e}{d_stock:>18.1e}")
         assert d_pair < TOL and d_ours < TOL and d_stock < TOL, (stage, name, d_pair, d_ours,
                                                                  d_stock)
     say(f"\nEvery pair ended with equal parameters (< {TOL:g}), and equal to one process on the "
         "global batch.\n")
+    compare_costs(say, world, {stage: run[1:] for stage, run in ours.items()},
+                  {name: run[1:] for name, run in stocks.items()})
     say("The same options in each tool:\n")
     say(options_table())
     say("All assertions held.")

@@ -17,7 +17,9 @@ its right neighbour (rank + 1) % N and receives from its left (rank - 1) % N:
     all-gather phase, N-1 steps:     send a summed chunk, COPY the one you receive.
 
 Which chunk at which step is the whole exercise. The checker also counts your bytes: a ring sends
-2(N-1)/N x S per rank (S = the tensor's bytes), the number the comm ledger charges an all_reduce.
+2(N-1)/N x S per rank (S = the tensor's bytes), the number the comm ledger charges an all_reduce;
+and, the inputs being random floats, it checks that every rank ends with the SAME bits, as a real
+all-reduce gives them.
 Stuck? Tutorial 01 builds one.
 """
 import torch

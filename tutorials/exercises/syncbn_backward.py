@@ -14,8 +14,9 @@ Return ``(dx, dweight, dbias)`` for this rank:
     dweight = Σ dy·x̂ over THIS rank's values only       (C,)
     dbias   = Σ dy   over THIS rank's values only       (C,)
 
-``all_reduce(t)`` sums tensor ``t`` in place over the ranks. Every rank must call it the same
-number of times (an empty rank too: its sums are zeros). Why parameter gradients stay local:
+``all_reduce(t)`` sums tensor ``t`` in place over the ranks. Call it exactly ONCE, on every
+rank (an empty rank too: its sums are zeros): one collective of 2C values per backward is the
+point of SyncBatchNorm's design, and the checker counts them. Why parameter gradients stay local:
 DDP or the ZeRO engine averages them across ranks afterwards. The derivation is in the docstring
 of minishard/syncbn.py; broadcast per-channel vectors with shape (1, C) or (1, C, 1).
 """
