@@ -72,6 +72,17 @@ MUTANTS = {
           '    assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"\n',
           "")],
         ["tests/test_contiguous.py"]),
+    "freeze_prefix_siblings": (
+        "freezing module 'b' also freezes 'b2' (a name prefix, not a path prefix)",
+        [("minishard/unit.py", 'name == scope or name.startswith(scope + ".")',
+          "name == scope or name.startswith(scope)")],
+        ["tests/test_freeze_siblings.py"]),
+    "from_rank0_skips_buffers": (
+        "load_full_state_dict(from_rank0=True) loads parameters but never broadcasts buffers",
+        [("minishard/full_state.py",
+          'comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")', "pass")],
+        ["tests/test_contiguous.py::test_load_full_state_dict_from_rank0_with_a_transposed_tensor",
+         "tests/test_rank0.py"]),
 }
 
 
