@@ -83,6 +83,10 @@ MUTANTS = {
           'comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")', "pass")],
         ["tests/test_contiguous.py::test_load_full_state_dict_from_rank0_with_a_transposed_tensor",
          "tests/test_rank0.py"]),
+    "find_unused_zero_grads_for_unused_by_all": (
+        "find_unused_parameters: a unit NO rank used keeps the zeros reduced into it as its grad",
+        [("minishard/reductions.py", "                flat.shard.grad = grad_before", "                pass")],
+        ["tests/test_unused_by_all.py"]),
 }
 
 
