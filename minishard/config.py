@@ -31,8 +31,9 @@ param_groups
     the same groups over the shards. Parameters not listed form a last group with no options.
 find_unused_parameters
     Stages 0-2: allow a unit to get a gradient on SOME ranks only in a step (a data-dependent
-    branch); reductions.py, [Note: find_unused]. Without it (the default, as DDP's), every rank
-    must reach the same units in backward; a unit that none reached keeps ``grad=None``.
+    branch); reductions are then launched at the end of backward (reductions.py, [Note:
+    find_unused]). Without it (the default, as DDP's), every rank must reach the same units in
+    backward; a unit that none reached keeps ``grad=None``.
 device / param_init_fn
     Deferred init (deferred_init.py): where meta tensors are materialised (default: the current
     CUDA device if there is one, else the CPU), and ``fn(module)`` initialising a module's OWN

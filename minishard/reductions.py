@@ -12,13 +12,17 @@ docstring (``config.BUCKET_BYTES``, ``bucket_bytes``, ``MAX_REDUCTIONS_IN_FLIGHT
 [Note: find_unused] With ``find_unused_parameters``, ranks may run different units, so the order
 in which gradients become ready differs between ranks, while collectives must match. So:
 
-* every rank launches reductions in ONE fixed order (:meth:`Reducer.launch_order`: the reverse
-  of the units' order, usually the order backward finishes them); a buffer ready early waits
-  for its turn;
-* at the end of backward, the rest of the order is launched, zeros where this rank has no
-  gradient, and ONE all-reduce(MAX) of a byte per trainable buffer ("this rank used it") tells
-  every rank which buffers NO rank used: those get their gradient from before this backward
-  back (``None`` usually), as in one process: Adam, momentum and weight decay leave them alone.
+* every rank launches its reductions at the END of backward, after every collective the backward
+  itself issues (a SyncBatchNorm's), in ONE fixed order (:meth:`Reducer.launch_order`), zeros
+  where this rank has no gradient. Launched as they become ready, they would interleave with
+  those collectives differently on ranks that ran different branches: at stages 2-3 a rank that
+  used a branch waited for that branch's reduction (at most two in flight) while a rank that
+  did not waited in SyncBatchNorm's all-reduce for the first: a deadlock (tests/
+  test_unused_branch_syncbn.py). The price: no overlap with the backward, and stages 2-3 hold
+  every full gradient until its end, as stage 1 does;
+* then ONE all-reduce(MAX) of a byte per trainable buffer ("this rank used it") tells every
+  rank which buffers NO rank used: those get their gradient from before this backward back
+  (``None`` usually), as in one process: Adam, momentum and weight decay leave them alone.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class Reducer:
         self._reduce(unit, unit.flats[j])
 
     def _reduce(self, unit, flat: FlatBuffer) -> None:
-        """Start ``flat``'s reduction (in the fixed order with find_unused_parameters)."""
+        """Start ``flat``'s reduction (with find_unused_parameters: mark it, [Note: find_unused])."""
         if id(flat) in self._reduced:
             return
         self._reduced.add(id(flat))
@@ -63,7 +67,6 @@ class Reducer:
         if self.find_unused:
             self._used.add(id(flat))
             self._ready.append(flat)
-            self._launch_ready()
         else:
             self._schedule(flat)
 

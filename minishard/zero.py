@@ -39,7 +39,7 @@ reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at st
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
 
 [Note: buckets] Every stage launches a unit's reduction as soon as autograd has finished that
-unit's gradient, overlapping the rest of backward. Stages 0-1 keep every full gradient until the
+unit's gradient (find_unused: at the end, reductions.py), overlapping the rest of backward. Stages 0-1 keep every full gradient until the
 end of backward anyway, so they coalesce ready ones into collectives of about
 ``config.BUCKET_BYTES`` (4 MiB, as DDP's buckets) and wait for all at the end. Stages 2-3 launch
 each unit's at once and keep at most two in flight, freeing full gradients early; with

@@ -87,6 +87,12 @@ MUTANTS = {
         "find_unused_parameters: a unit NO rank used keeps the zeros reduced into it as its grad",
         [("minishard/reductions.py", "                flat.shard.grad = grad_before", "                pass")],
         ["tests/test_unused_by_all.py"]),
+    "find_unused_launches_during_backward": (
+        "find_unused_parameters: reductions launched as they become ready (ranks that ran "
+        "different branches then deadlock against SyncBatchNorm's backward all-reduce)",
+        [("minishard/reductions.py", "            self._ready.append(flat)\n        else:",
+          "            self._ready.append(flat)\n            self._launch_ready()\n        else:")],
+        ["tests/test_unused_branch_syncbn.py"]),
 }
 
 
