@@ -45,9 +45,7 @@ class Reducer:
         self.free_grads_early, self.bucket_bytes = free_grads_early, bucket_bytes
         self.reduce_dtype, self.find_unused, self.every_group = reduce_dtype, find_unused, every_group
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
-        self._ready: list[FlatBuffer] = []  # find_unused: ready, waiting for their turn
         self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
-        self._launched = 0                  # find_unused: how far along the fixed order
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
         self._bucket: list[FlatBuffer] = []  # ready gradients not yet launched
 
@@ -65,25 +63,13 @@ class Reducer:
         self._reduced.add(id(flat))
         self.log("reduce", unit)
         if self.find_unused:
-            self._used.add(id(flat))
-            self._ready.append(flat)
+            self._used.add(id(flat))  # launched at the end of backward, in the fixed order
         else:
             self._schedule(flat)
 
     def launch_order(self) -> list[FlatBuffer]:
         """[Note: find_unused]: the one order every rank reduces in."""
         return [f for u in reversed(self.units) for f in u.flats if f.requires_grad]
-
-    def _launch_ready(self) -> None:
-        """Launch, in the fixed order, every ready flat whose predecessors are launched; a flat
-        ready early waits for its turn (a rank may never reach one: it sends zeros at the end)."""
-        order = self.launch_order()
-        launched = self._launched
-        while launched < len(order) and order[launched] in self._ready:
-            self._ready.remove(order[launched])
-            self._schedule(order[launched])
-            launched += 1
-        self._launched = launched
 
     def _schedule(self, flat: FlatBuffer) -> None:
         """Queue ``flat``'s reduction in the bucket; launch the bucket once it is full
@@ -128,14 +114,14 @@ class Reducer:
         self._reduced.clear()
 
     def _finish_in_order(self) -> list[tuple[FlatBuffer, torch.Tensor | None]]:
-        """[Note: find_unused]: launch the rest of the fixed order, then the usage bitmap.
+        """[Note: find_unused]: launch the whole fixed order, then the usage bitmap.
         Returns the flats no rank used, with their gradient before this backward."""
         order = self.launch_order()
         before = {id(f): f.shard.grad for f in order}
-        self._ready += [f for f in order[self._launched:] if f not in self._ready]
-        self._launch_ready()
+        for flat in order:  # zeros where this rank has no gradient (FlatBuffer.take_grad)
+            self._schedule(flat)
         used = torch.tensor([id(f) in self._used for f in order], dtype=torch.uint8)
         comm.all_reduce(used, "max", self.every_group, tag="ZeRO used flats")
         unused = [(f, before[id(f)]) for f, u in zip(order, used.tolist()) if not u]
-        self._ready, self._used, self._launched = [], set(), 0
+        self._used = set()
         return unused

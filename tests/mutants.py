@@ -90,8 +90,9 @@ MUTANTS = {
     "find_unused_launches_during_backward": (
         "find_unused_parameters: reductions launched as they become ready (ranks that ran "
         "different branches then deadlock against SyncBatchNorm's backward all-reduce)",
-        [("minishard/reductions.py", "            self._ready.append(flat)\n        else:",
-          "            self._ready.append(flat)\n            self._launch_ready()\n        else:")],
+        [("minishard/reductions.py",
+          "            self._used.add(id(flat))  # launched at the end of backward, in the fixed order",
+          "            self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
 }
 
