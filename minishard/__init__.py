@@ -20,12 +20,14 @@ features, each in its own file:
   verdicts.py        every rank raises together, or none does
   state.py           checkpoints: per-rank shard files, atomic, reshardable (checkpoint_files.py)
   memory.py          the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
+  sharded_optimizer.py  ShardedOptimizer: ZeRO-1 over parameters (torch's ZeroRedundancyOptimizer)
   testing.py         RankPool: warm gloo ranks for tests
   launch.py          session(): set-up and clean tear-down for scripts started by torchrun
   tour.py            torchrun --standalone --nproc_per_node=2 -m minishard.tour
 """
 from minishard import comm, launch, state
 from minishard.comm import ledger
+from minishard.sharded_optimizer import ShardedOptimizer
 from minishard.state import (full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
                              load_full_optimizer_state_dict, save_checkpoint)
 from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
@@ -34,7 +36,7 @@ from minishard.zero import STAGES, MixedPrecision, ZeRO
 __all__ = [
     "comm", "launch", "state", "ledger",
     "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
-    "ZeRO", "STAGES", "MixedPrecision",
+    "ZeRO", "STAGES", "MixedPrecision", "ShardedOptimizer",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint",
     "full_optimizer_state_dict", "load_full_optimizer_state_dict",
 ]
