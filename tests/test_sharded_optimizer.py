@@ -213,3 +213,90 @@ def copied_groups(like: torch.optim.Optimizer) -> list[dict]:
 def test_matches_one_process_and_zero_redundancy_optimizer(pools, s):
     reloaded = pools(s["world"]).run(against_oracles, s)
     assert reloaded == [2 if r == s["to"] % s["world"] else 1 for r in range(s["world"])]
+
+
+# ---------------------------------------------------------------- under DDP and stage 0
+ADAM_ATOL = 1e-4  # lr 1e-3, 3 steps: rounding noise on a near-zero gradient, see the module doc
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)  # one big layer, small ones and their biases
+    return nn.Sequential(nn.Linear(16, 96), nn.Tanh(), nn.Linear(96, 4), nn.Tanh(), nn.Linear(4, 3))
+
+
+def under_ddp(opt_name: str) -> list[float]:
+    """DDP + ShardedOptimizer vs DDP + ZeroRedundancyOptimizer (tight) and one process on the
+    global batch; ZeRO(stage=0) + ShardedOptimizer vs ZeRO(stage=1) (the engine's ZeRO-1), with
+    the ledger of one step: stage 0's all-reduce (2 passes) + the broadcasts (1 pass) = 3."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    n, rank = dist.get_world_size(), dist.get_rank()
+    cls, kw = {"adamw": (torch.optim.AdamW, dict(lr=1e-3)),
+               "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}[opt_name]
+    ours, theirs, one = DDP(net()), DDP(net()), net()
+    stage0, stage1 = ZeRO(net(), stage=0), ZeRO(net(), stage=1)
+    opts = [ShardedOptimizer(ours.parameters(), cls, **kw),
+            ZeroRedundancyOptimizer(theirs.parameters(), optimizer_class=cls, **kw),
+            cls(one.parameters(), **kw), ShardedOptimizer(stage0.parameters(), cls, **kw),
+            cls(stage1.parameters(), **kw)]
+    psi = sum(p.numel() for p in one.parameters())
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * n, 16, generator=g), torch.randn(4 * n, 3, generator=g)
+        mine = slice(4 * rank, 4 * rank + 4)
+        for model, opt, rows in zip((ours, theirs, one, stage0, stage1), opts,
+                                    (mine, mine, slice(None), mine, mine)):
+            with comm.ledger() as led:
+                (model(x[rows]) - y[rows]).square().mean().backward()
+                opt.step()
+            opt.zero_grad()
+            if model is stage0:
+                assert led.total_bytes() == Fraction(3 * (n - 1) * 4 * psi, n), led.table()
+    tol = dict(atol=ADAM_ATOL, rtol=0) if opt_name == "adamw" else TIGHT
+    same(ours.module.parameters(), theirs.module.parameters(), "DDP: ours vs torch's")
+    same(ours.module.parameters(), one.parameters(), "DDP: ours vs one process", **tol)
+    got, want = stage0.full_state_dict(), stage1.full_state_dict()
+    same(got.values(), want.values(), "stage 0 + ShardedOptimizer vs stage 1", **tol)
+    return [max((a - b).abs().max().item() for a, b in zip(ours.module.parameters(),
+                                                          one.parameters()))]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_under_ddp_and_stage0(pools, world):
+    for opt_name in ("sgd", "adamw"):
+        pools(world).run(under_ddp, opt_name)
+
+
+# ---------------------------------------------------------------------------- refusals
+def refusals() -> list[str]:
+    """Each misuse refused with a message naming it, on every rank."""
+    rank, said = dist.get_rank(), []
+    p = nn.Parameter(torch.ones(3))
+    cases = [(lambda: ShardedOptimizer([p], torch.optim.SGD(([p]), lr=1)), TypeError),
+             (lambda: ShardedOptimizer([p], torch.optim.SGD, overlap_with_ddp=True, lr=1),
+              ValueError),
+             (lambda: ShardedOptimizer([p, p], torch.optim.SGD, lr=1), ValueError),
+             (lambda: ShardedOptimizer([nn.Parameter(torch.full((3,), float(rank)))],
+                                       torch.optim.SGD, lr=1), ValueError),     # values differ
+             (lambda: ShardedOptimizer(ZeRO(net(), stage=1).parameters(), torch.optim.SGD,
+                                       lr=1), ValueError),                      # shards
+             (lambda: ShardedOptimizer([p], torch.optim.SGD, lr=1).state_dict(), RuntimeError)]
+    for make, kind in cases:
+        with pytest.raises(kind) as info:
+            make()
+        said.append(str(info.value))
+    opt = ShardedOptimizer([p], torch.optim.SGD, lr=1)
+    with pytest.raises(ValueError, match="same parameters, in the same groups"):
+        opt.load_state_dict({"state": {}, "param_groups": [{"params": [0, 1], "lr": 1}]})
+    return said
+
+
+def test_misuse_is_refused_on_every_rank(pools):
+    expected = ["optimizer_class must be a torch.optim.Optimizer subclass",
+                "overlap_with_ddp=True is not supported", "appears twice in one param group",
+                "differs in its values between ranks", "ranks hold different parameters",
+                "call opt.consolidate_state_dict(to="]
+    for rank, said in enumerate(pools(2).run(refusals)):
+        assert len(said) == len(expected), said
+        for message, phrase in zip(said, expected):
+            assert phrase.lower() in message.lower(), (rank, message)
