@@ -140,6 +140,37 @@ def plot_against_world_size(path: str, psi: int, rank: int, world: int) -> None:
     print(f"saved {path}")
 
 
+# ---------------------------------------------------------------------------------------------
+# ZeRO-1, the other spelling (issue 27): minishard.ShardedOptimizer(params, AdamW, lr=...), torch's
+# ZeroRedundancyOptimizer signature, over ANY replicated model (plain, DDP, stage 0). It shards
+# whole parameters balanced by size; stage 1 shards equal flat slices. Measured by
+# bench/sharded_optimizer_memory.py (fp32 AdamW state per rank, 4 ranks): this model 74,504 B
+# on every rank (8Ψ/N + 4-byte steps; stage 1: 74,496); Embedding(4096, 64) + 4 x Linear(64),
+# whose embedding exceeds Ψ/N: 2,097,156 / 65,544 / 33,804 / 33,804 B (torch's identical),
+# where stage 1 holds 557,568 on each. Bytes sent per step: stage 0 + ShardedOptimizer sends
+# 3 passes (all-reduce + one broadcast from each owner), stage 1 two (asserted below).
+def zero1_two_spellings(rank: int, world: int) -> None:
+    psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=0,
+                           units={Block})
+    opt = minishard.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+    data = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
+    with minishard.ledger() as led:
+        model(data).square().mean().backward()
+        opt.step()
+    held = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if v.dim() > 0)  # Adam's moments (the scalar step left out)
+    owned = sum(p.numel() for p, r in opt.owner.items() if r == rank)
+    assert held == 8 * owned, (held, owned)
+    assert led.total_bytes() == 3 * 4 * psi * (world - 1) / world, led.table()
+    if rank == 0:
+        print(f"\nZeRO-1 spelled as an optimizer: stage 0 + ShardedOptimizer holds {held:,} B "
+              f"of Adam state on rank 0 (stage 1: {8 * psi // world:,}) and sends "
+              f"{float(led.total_bytes()):,.0f} B per step (stage 1: "
+              f"{2 * 4 * psi * (world - 1) / world:,.0f}). Its assertions held too.")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", help="also save a PNG of bytes per rank against the number of "
@@ -148,3 +179,4 @@ if __name__ == "__main__":
     # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
     with minishard.launch.session() as (rank, world):
         main(rank, world, args.plot)
+        zero1_two_spellings(rank, world)
