@@ -17,6 +17,7 @@ features, each in its own file:
   full_state.py      gathered(), full state dicts, the full optimizer state export
   guards.py          misuse guards: released stage-3 parameters, module.parameters(), stale optimizers
   meters.py          peaks, the event timeline, memory_report(), the wrap meter
+  trace.py           model.trace(path): every rank's schedule as one Chrome trace; draw() a PNG
   verdicts.py        every rank raises together, or none does
   state.py           checkpoints: per-rank shard files, atomic, reshardable (checkpoint_files.py)
   memory.py          the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI

@@ -17,6 +17,7 @@ Each function takes ``group`` (``None`` = the default process group) and ``async
 from __future__ import annotations
 
 import os
+import pickle
 import time
 from datetime import timedelta
 
@@ -31,7 +32,8 @@ __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
-    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA",
+    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "all_gather_object",
+    "set_observer",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -42,7 +44,7 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
             algorithm: str = "ring", group=None) -> None:
     """Give the open ledgers (costs.py) this collective's entry: comm knows the group."""
-    if not costs.recording():
+    if not costs.recording() and _observer is None:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
@@ -50,6 +52,20 @@ def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
     entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm,
                   ranks=group_ranks(group), dim=group_dim(group))
     costs.record(entry)
+    if _observer is not None:
+        _observer.issued(entry)
+
+
+_observer = None  # trace.py's recorder inside model.trace(), else None: one comparison each
+
+
+def set_observer(observer) -> None:
+    """(For trace.py.) ``observer.issued(entry)``, ``.started(works)`` and ``.waited(works,
+    start, end)`` see every collective, its works and every wait; None removes it."""
+    global _observer
+    if observer is not None and _observer is not None:
+        raise RuntimeError("comm: a trace is already being recorded; one at a time")
+    _observer = observer
 
 
 # --------------------------------------------------------------------- consistency checking
@@ -180,13 +196,18 @@ def _wait_all(works) -> None:
     start = time.perf_counter()
     for work in works:
         work.wait()
-    costs.add_blocked(time.perf_counter() - start)
+    end = time.perf_counter()
+    costs.add_blocked(end - start)
+    if _observer is not None:
+        _observer.waited(works, start, end)
 
 
 def _finish(work, async_op: bool, then=None):
     """Every collective is issued asynchronously; a synchronous caller waits here, so the
     ledger's ``blocked_s`` sees that wait too."""
     handle = Handle(work, then)
+    if _observer is not None:
+        _observer.started(handle._works)
     if async_op:
         return handle
     handle.wait()
@@ -437,6 +458,23 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
         return _finish(None, async_op)
     work = dist.broadcast(dense, src=_global(group, src), group=group, async_op=True)
     return _finish(work, async_op, _copy_back(None, tensor, dense))
+
+
+@torch.no_grad()
+def all_gather_object(obj, group=None, tag: str = "", device=None) -> list:
+    """Every rank's picklable ``obj``, in group rank order, on every rank: two ledger-counted
+    all-gathers, of the pickles' lengths and of the pickles padded to the longest."""
+    n, data = group_size(group), torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.zeros(n, dtype=torch.int64, device=device)
+    all_gather(sizes, torch.tensor([data.numel()], device=device), group, tag=f"{tag} (sizes)")
+    sizes = sizes.tolist()
+    longest = max(sizes)
+    send = torch.zeros(longest, dtype=torch.uint8, device=device)
+    send[:data.numel()] = data
+    out = torch.empty(n * longest, dtype=torch.uint8, device=device)
+    all_gather(out, send, group, tag=tag)
+    rows = out.cpu().view(n, longest)
+    return [pickle.loads(rows[j, :k].numpy().tobytes()) for j, k in enumerate(sizes)]
 
 
 # ------------------------------------------------------------------------------ point to point

@@ -32,11 +32,16 @@ class Meters:
 
     @contextlib.contextmanager
     def recording(self):
-        self.events = events = []
+        """Recordings nest (a trace around ``record_events()``): an inner one's events also
+        reach the outer one's list when it ends."""
+        outer, self.events = self.events, []
+        events = self.events
         try:
             yield events
         finally:
-            self.events = None
+            self.events = outer
+            if outer is not None:
+                outer.extend(events)
 
     def log(self, event: str, unit) -> None:
         if self.events is not None:

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from minishard import comm, full_state, guards
+from minishard import comm, full_state, guards, trace
 from minishard.build import build_units
 from minishard.config import (MixedPrecision, cast_buffers, cast_inputs, check_arguments,
                               check_same_config, param_group_index, resolve_groups,
@@ -121,7 +121,7 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class ZeRO(nn.Module):
+class ZeRO(trace.Traced, nn.Module):
     """Wrap ``module`` so its parameters, gradients and optimizer state are sharded by ``stage``.
 
     ``stage``: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters). The module's

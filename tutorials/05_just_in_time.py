@@ -17,7 +17,10 @@ but waiting, e.g. for an earlier unit's reduce-scatter to make room).
 """
 import argparse
 import contextlib
+import json
 import math
+import os
+import tempfile
 import time
 
 import torch
@@ -64,7 +67,7 @@ def record_waits():
         comm.Handle.wait = original
 
 
-def one_step(units, prefetch=False):
+def one_step(units, prefetch=False, trace=None):
     torch.manual_seed(0)
     model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=3,
                            units=units, prefetch=prefetch)
@@ -73,7 +76,8 @@ def one_step(units, prefetch=False):
     model(x).sum().backward()  # a first step records the forward order (used by prefetch)
     opt.step()
     opt.zero_grad()
-    with model.record_events() as events, record_waits() as waits, minishard.ledger() as led:
+    with model.trace(trace) if trace else contextlib.nullcontext(), \
+            model.record_events() as events, record_waits() as waits, minishard.ledger() as led:
         start = time.perf_counter()
         loss = model(x).sum()
         backward_at = time.perf_counter()
@@ -92,7 +96,8 @@ def main(rank: int, world: int, plot: str | None) -> None:
     runs = {}
     whole, runs["one unit"] = one_step(units=None)
     per_block, runs["per block"] = one_step(units={Block})
-    prefetched, runs["per block + prefetch"] = one_step(units={Block}, prefetch=True)
+    trace = os.path.join(tempfile.gettempdir(), "minishard-05-trace.json")
+    prefetched, runs["per block + prefetch"] = one_step(units={Block}, prefetch=True, trace=trace)
     events = runs["per block"]["events"]
 
     say(f"One stage-3 step on rank 0 of {world}, {BLOCKS} blocks, each its own unit:\n")
@@ -125,6 +130,15 @@ def main(rank: int, world: int, plot: str | None) -> None:
         say(f"   {name:<22} step {1000 * (run['end'] - run['start']):6.2f} ms, of which "
             f"{1000 * run['blocked_s']:6.2f} ms waiting for collectives (not asserted: timing)")
 
+    if rank == 0:  # model.trace(path): every rank's step in one file (minishard/trace.py)
+        with open(trace) as f:
+            assert {e["pid"] for e in json.load(f)["traceEvents"]} == set(range(world))
+        say(f"\nThe prefetched step, every rank, as a Chrome trace: {trace}\n"
+            "  Open it in ui.perfetto.dev (or chrome://tracing), a process per rank. Look for:\n"
+            "  each 'forward N' after its 'gather N' landed, before 'free N'; 'gather N+1'\n"
+            "  starting inside 'forward N' (prefetch); 'reduce N' overlapping the next units'\n"
+            "  backward; the 'waits' track, where a rank sat idle. No browser: python -m\n"
+            f"  minishard.trace {trace} trace.png (needs matplotlib).")
     if plot and rank == 0:
         draw(plot, runs, world)
 

@@ -190,8 +190,10 @@ def main(rank: int, world: int) -> None:
     assert minishard.latest_checkpoint(root) == path
     minishard.load_checkpoint(path, model, opt)
     say(f"[{world} ranks] loaded the checkpoint saved by {half}")
+    trace = os.path.join(tempfile.gettempdir(), "minishard-06-trace.json")
     for step in range(SAVE_AFTER + 1, STEPS + 1):
-        loss, norm = train_step(model, opt, step, rank, world)
+        with model.trace(trace) if step == STEPS else contextlib.nullcontext():
+            loss, norm = train_step(model, opt, step, rank, world)
         say(f"[{world} ranks] step {step}  loss {loss:.4f}  grad norm {norm:.3f}")
     resumed = model.full_state_dict()
     if rank == 0:
@@ -200,6 +202,10 @@ def main(rank: int, world: int) -> None:
         assert worst < 2e-2, worst
         say(f"\nResumed at {world} ranks vs uninterrupted at {half}: max |param diff| "
             f"{worst:.1e} (bf16 compute). All assertions held.")
+        say(f"The last step, every rank, as a Chrome trace (ui.perfetto.dev): {trace}\n"
+            "  Look for: two forward/backward passes (micro-batches), 'reduce' spans only in the\n"
+            "  second (the first ran under no_sync), bf16 gathers (args: dtype, bytes_sent), then\n"
+            "  clip_grad_norm_'s all-reduce in 'collectives', AdamW.step, the loss all-reduce.")
     dist.barrier()  # every rank has read the checkpoint: now it may go
     if rank == 0:
         shutil.rmtree(root)
