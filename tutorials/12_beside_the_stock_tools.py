@@ -253,7 +253,9 @@ def sgd(params):
 # ------------------------------------------------------------- what each tool sends and holds
 def tensor_bytes_alive() -> int:
     """Bytes of every distinct tensor storage alive in this process that Python can see (the
-    garbage collector's tensors; a storage shared by views counted once)."""
+    garbage collector's tensors; a storage shared by views counted once). The barrier first:
+    gloo's threads let go of a finished collective's tensors a moment after its wait returns."""
+    dist.barrier()
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
