@@ -14,8 +14,9 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
             └─ b2 (unit) ── shared (same object)   its owner is the root, gathered while both run
 
 4. **Flat buffers.** A unit's parameters are grouped by (dtype, requires_grad, param group) and
-   each group becomes one :class:`~minishard.flat.FlatBuffer`. The module's ``_parameters``
-   entries are removed: from now on its attributes are set by the unit (unit.py, ``show_*``).
+   each group becomes one :class:`~minishard.flat.FlatBuffer`. The module keeps its own
+   ``nn.Parameter`` objects, re-pointed (``p.data``) at this rank's rows of them (flat.py,
+   ``adopt``): names, number of dimensions and ``requires_grad`` stay the user's.
 5. **Values.** An eager model's values are broadcast from rank 0 first; a model with tensors on
    the meta device is materialised into the flat buffers one module at a time
    (deferred_init.py).
@@ -84,11 +85,11 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
         unit.module._minishard_unit = unit.name
         built.append(unit)
         if deferred is None:  # eager: free this unit's original tensors before the next unit
-            _release_originals(unit, meter)
+            _adopt(unit, meter)
     if deferred is not None:
         materialize(root, built, groups.every, deferred, meter)  # every rank: replicas agree
         for unit in built:
-            _release_originals(unit, meter)
+            _adopt(unit, meter)
     return built
 
 
@@ -171,14 +172,16 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
             meter.drop(flat.full_bytes())
 
 
-def _release_originals(unit: Unit, meter: WrapMeter) -> None:
-    """The module's parameters are now in the flat buffers: take them out of the module, free
-    their storage, and mark them (to catch an optimizer built before wrapping)."""
-    for param in unit.params():
-        first = param.places[0]
-        p = first.module._parameters[first.attr]
-        for place in param.places:
-            place.module._parameters.pop(place.attr, None)
-        meter.drop(storage_bytes([p]))
-        p._minishard_replaced = True
-        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+def _adopt(unit: Unit, meter: WrapMeter) -> None:
+    """The values are in the flat buffers: each original parameter now holds this rank's rows
+    (its old storage is freed), and every place holds it. One that cannot be kept (a meta
+    tensor, another device) is replaced and marked, to catch an optimizer built over it."""
+    for flat in unit.flats:
+        params = list(unit.params(flat))
+        originals = [p.places[0].module._parameters[p.places[0].attr] for p in params]
+        meter.drop(storage_bytes(originals))
+        for old, new in zip(originals, flat.adopt(originals)):
+            if new is not old:
+                old._minishard_replaced = True
+                old.data = torch.empty(0, dtype=old.dtype, device=old.device)
+    unit.show_rest()

@@ -1,6 +1,6 @@
 """A checkpoint's files on disk: written atomically, read back checked, complete or not.
 
-state.py decides WHAT goes into a checkpoint (each rank's slices of the flat buffers, then
+state.py decides WHAT goes into a checkpoint (each rank's rows of every parameter, then
 ``meta.pt``); this file knows the directory's layout and guarantees::
 
     a checkpoint directory is COMPLETE  iff  meta.pt exists and lists files whose sizes
@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import io
-import math
 import os
 import pickle
 import re
 
 import torch
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
-           "saved_range", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint"]
+from minishard.flat import rows_of
 
-FORMAT_VERSION = 1
+__all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
+           "saved_rows", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint"]
+
+# 1: slices of the flat buffers (before parameters kept their names); 2: rows of each parameter
+FORMAT_VERSION = 2
 META = "meta.pt"
 
 
@@ -43,12 +45,10 @@ def shard_file_name(rank: int, world_size: int) -> str:
     return f"rank{rank}-of-{world_size}.pt"
 
 
-def saved_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The unpadded range of a flat of ``numel`` elements that ``rank`` of ``world_size`` saves:
-    its shard at stages 1-3 (flat.py pads to N*k; the padding is never saved)."""
-    k = math.ceil(numel / world_size)
-    lo = min(rank * k, numel)
-    return lo, min(lo + k, numel)
+def saved_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a parameter with ``n_rows`` rows (dim 0; a 0-dim one has 1) that
+    ``rank`` of ``world_size`` saves: what it holds at stages 1-3 (flat.py; never padding)."""
+    return rows_of(n_rows, world_size, rank)
 
 
 def atomic_save(obj, final: str) -> tuple[int, bytes]:
@@ -127,8 +127,11 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     meta = read_checked(meta_file)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        old = (" (version 1 cut flat buffers, before parameters kept their names: load it with "
+               "the minishard that wrote it, export model.full_state_dict() and "
+               "full_optimizer_state_dict(), and load those here)") if found == 1 else ""
         raise CheckpointError(f"{meta_file} has format version {found!r}; this minishard reads "
-                              f"version {FORMAT_VERSION}")
+                              f"version {FORMAT_VERSION}{old}")
     world = meta["world_size"]
     names = [f["name"] for f in meta["files"]]
     expected = [shard_file_name(r, world) for r in range(world)]
@@ -137,12 +140,13 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
             f"checkpoint at {path} is inconsistent: {META} says world size {world}, so it should "
             f"list the files {expected}, but it lists {names}. Its metadata does not describe its "
             "files; load an earlier checkpoint.")
-    for flat in meta["flats"]:
-        ranges = [tuple(r) for r in flat["ranges"]]
-        if ranges != [saved_range(flat["numel"], world, r) for r in range(world)]:
+    for param in meta["params"]:
+        rows = [tuple(r) for r in param["rows"]]
+        if rows != [saved_rows(param["n_rows"], world, r) for r in range(world)]:
             raise CheckpointError(
-                f"checkpoint at {path} is inconsistent: {META} says world size {world}, but flat "
-                f"{flat['name']!r} was cut into the ranges {ranges}. Load an earlier checkpoint.")
+                f"checkpoint at {path} is inconsistent: {META} says world size {world}, but "
+                f"parameter {param['name']!r} was cut into the rows {rows}. Load an earlier "
+                "checkpoint.")
     for info in meta["files"]:
         file = os.path.join(path, info["name"])
         if not os.path.exists(file):

@@ -25,10 +25,11 @@ bucket_bytes
     Stages 2-3: move consecutive units together, up to about this many bytes per collective
     (zero.py, [Note: buckets]). 0 (the default): one collective per unit.
 param_groups
-    Optimizer parameter groups over the ORIGINAL parameters, as you would pass them to
-    ``torch.optim`` for the unwrapped model (``[{"params": [...], "weight_decay": 0.0}, ...]``).
-    Parameters of different groups get different flat buffers; ``model.param_groups()`` returns
-    the same groups over the shards. Parameters not listed form a last group with no options.
+    Kept for code written before the parameters kept their names: optimizer groups over the
+    module's parameters (``[{"params": [...], "weight_decay": 0.0}, ...]``);
+    ``model.param_groups()`` returns them. Today build the groups after wrapping, from
+    ``model.named_parameters()``, as for the unwrapped model. Parameters not listed form a
+    last group with no options.
 find_unused_parameters
     Stages 0-2: allow a unit to get a gradient on SOME ranks only in a step (a data-dependent
     branch); reductions are then launched at the end of backward (reductions.py, [Note:
@@ -196,10 +197,10 @@ def param_group_index(module: nn.Module, param_groups: list[dict] | None):
 
 
 def shard_param_groups(units, options: list[dict]) -> list[dict]:
-    """``model.param_groups()``: the groups given when wrapping, over the shards (each flat
-    buffer belongs to exactly one group); empty groups left out."""
+    """``model.param_groups()``: the groups given when wrapping, over the user parameters (each
+    flat buffer belongs to exactly one group); empty groups left out."""
     groups = [{**o, "params": []} for o in options]
     for unit in units:
         for flat in unit.flats:
-            groups[flat.param_group]["params"].append(flat.shard)
+            groups[flat.param_group]["params"].extend(flat.params)
     return [g for g in groups if g["params"]]

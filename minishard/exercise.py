@@ -21,7 +21,7 @@ exercise (counted in a small file, see ``attempts_file``) adds how to do it.
 
     ring_all_reduce     the ring all-reduce from point-to-point sends (tutorial 01)
     syncbn_backward     SyncBatchNorm's backward: one all-reduce of [Σdy, Σdy·x̂] (tutorial 03)
-    shard_layout        where a rank's shard sits in a padded flat buffer (flat.py)
+    shard_layout        which rows of each parameter a rank holds, FSDP2's cut (flat.py)
     reduce_gradient     stage 2's reduction: reduce-scatter, average, drop the padding (flat.py)
     clip_grad_norm      clipping by the global norm when each rank holds a shard (zero.py)
 

@@ -6,6 +6,7 @@ ranks, prints failures and steps through hints is exercise.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from typing import Callable
 
@@ -64,8 +65,9 @@ def _small_first(rng: random.Random, world: int, index: int, big: int) -> int:
 
 
 def _layout(total: int, world: int, rank: int) -> tuple[int, int, int]:
-    """The flat buffer layout, computed the plain way: pad with placeholders until every rank's
-    piece has the same length, cut into ``world`` pieces, find ours. (padded, start, real)."""
+    """ONE 1-D parameter of ``total`` elements cut into ``world`` pieces, computed the plain way:
+    pad with placeholders until every rank's piece has the same length, cut, find ours.
+    (padded, start, real). (Several parameters: each is cut on its own, see shard_layout.)"""
     padded = total
     while padded % world:
         padded += 1
@@ -208,28 +210,91 @@ def _bn_run(fn, case, rank, world):
 
 
 # ------------------------------------------------------------------------ 3. shard layout
+_SMALL_SHAPES = [(), (2,), (3,), (2, 2)]  # what follows dim 0 (a 0-dim parameter: sometimes)
+
+
 def _layout_cases(rng: random.Random, world: int, index: int) -> dict:
-    total = max(1, _small_first(rng, world, index, 36))
-    cut = sorted(rng.sample(range(1, total), min(total - 1, rng.randint(0, 3))))
-    return {"numels": [b - a for a, b in zip([0] + cut, cut + [total])]}
+    """One parameter of 1 to 2N+2 rows first (every way the last ranks can hold no rows shows up
+    by then), every other one beside a (3, 2); then 1 to 4 parameters of any shape."""
+    if index <= 2 * world + 1:
+        return {"shapes": [(index + 1,)] + ([(3, 2)] if index % 2 else [])}
+    shapes = [() if rng.random() < 0.1 else (rng.randint(1, 3 * world + 1),
+                                              *rng.choice(_SMALL_SHAPES))
+              for _ in range(rng.randint(1, 4))]
+    return {"shapes": shapes}
+
+
+def _chunk_layout(shape: tuple, world: int, rank: int) -> tuple[tuple[int, int], int]:
+    """One parameter's cut, the way FSDP2 makes it: ``torch.chunk`` along dim 0 (a 0-dim
+    parameter as one row). Returns (this rank's rows [lo, hi), its padded width in elements).
+    torch.chunk gives chunks of ceil(R/N) rows and may give FEWER than N: a rank past the
+    last chunk holds no rows, written (R, R)."""
+    rows = shape[0] if len(shape) else 1
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= d
+    chunks = torch.arange(rows).chunk(world)  # row numbers, cut as FSDP2 cuts the parameter
+    mine = chunks[rank] if rank < len(chunks) else chunks[0][:0]
+    got = (int(mine[0]), int(mine[-1]) + 1) if len(mine) else (rows, rows)
+    return got, len(chunks[0]) * per_row  # every rank's chunk padded to the largest
+
+
+def _layout_want(shapes, world, rank) -> tuple[list, list, int]:
+    cuts = [_chunk_layout(tuple(s), world, rank) for s in shapes]
+    widths = [w for _, w in cuts]
+    return [r for r, _ in cuts], widths, sum(widths)
+
+
+def _as_layout(got):
+    """The learner's answer as (list of (lo, hi), list of widths, k), or None if malformed."""
+    try:
+        rows, widths, k = got
+        return [(int(lo), int(hi)) for lo, hi in rows], [int(w) for w in widths], int(k)
+    except (TypeError, ValueError):
+        return None
+
+
+def _layout_hint(shapes, world, got, want) -> tuple[str, str]:
+    """(what is wrong, and how) for a wrong answer, by the first part that differs."""
+    (rows, widths, k), (want_rows, want_widths, want_k) = got, want
+    numels = [math.prod(s) for s in shapes]
+    row_numels = [math.prod(s[1:]) for s in shapes]
+    n_rows = [s[0] if len(s) else 1 for s in shapes]
+    how = ("With R rows (a 0-dim parameter: one) and c = ceil(R/N), rank r holds rows "
+           "[min(r·c, R), min((r+1)·c, R)); its width is c x (elements per row) whatever it "
+           "holds; k = the sum of the widths")
+    if k != want_k and k == -(-sum(numels) // world):
+        what = ("k = ceil(total / N) cuts the CONCATENATION of the parameters into N pieces "
+                "(FSDP1's layout); here EACH parameter is cut along dim 0 on its own, and each "
+                "is padded to N equal chunks of rows")
+    elif widths != want_widths and widths == [r // world * m for r, m in zip(n_rows, row_numels)]:
+        what = ("floor(R/N) rows per rank drops rows: N chunks of floor(R/N) cannot hold all "
+                "R. Round UP: c = ceil(R/N) rows, the last chunks shorter (padded)")
+    elif widths != want_widths:
+        what = ("a width is wrong: every rank's chunk of a parameter is padded to the SAME c = "
+                "ceil(R/N) rows, so its width is c x (elements per row), real rows or not")
+    elif k != want_k:
+        what = "k is wrong: this rank's shard is its chunks side by side, the sum of the widths"
+    elif any(lo > hi or hi > r for (lo, hi), r in zip(rows, n_rows)):
+        what = ("a row range runs past the parameter's R rows: a rank past the last chunk holds "
+                "NO rows, (R, R); clamp both ends to R")
+    else:
+        what = ("a row range is wrong: the chunks are consecutive, c = ceil(R/N) rows each "
+                "from row 0; a late rank holds fewer rows, or none (R, R), and with 4 ranks or "
+                "more several may hold none")
+    return what, what + ". " + how
 
 
 def _layout_run(fn, case, rank, world):
-    padded, start, real = _layout(sum(case["numels"]), world, rank)
-    got = fn(list(case["numels"]), world, rank)
-    got = tuple(got) if isinstance(got, (tuple, list)) else got
-    what = "padding" if isinstance(got, tuple) and len(got) == 3 and got[0] != padded else \
-        "offset" if isinstance(got, tuple) and len(got) == 3 and got[1] != start else "real"
-    wrong = {"padding": "padded_numel is wrong: it must be the smallest multiple of N that "
-                        "holds every element",
-             "offset": "shard_start is wrong: the pieces are equal, k = padded/N each",
-             "real": "shard_real is wrong: count the piece's elements that come before the "
-                     "total; a late rank may hold only padding (0 real), and with 4 ranks or "
-                     "more, several may"}[what]
-    return [("(padded_numel, shard_start, shard_real)", got, (padded, start, real),
-             (wrong, wrong + ". Pad the total to a multiple of N so every rank's piece has "
-              "k = padded/N elements; rank r starts at r·k; its real elements are "
-              "max(0, min(k, total - r·k))"))], None
+    shapes = [tuple(s) for s in case["shapes"]]
+    want = _layout_want(shapes, world, rank)
+    got = fn([tuple(s) for s in shapes], world, rank)
+    norm = _as_layout(got)
+    if norm is None:
+        hint = ("return a tuple (rows, widths, k): a list of (row_start, row_stop) pairs, a "
+                "list of ints and an int")
+        return [("(rows, widths, k)", got, want, hint)], None
+    return [("(rows, widths, k)", norm, want, _layout_hint(shapes, world, norm, want))], None
 
 
 # ---------------------------------------------------------------------- 4. reduce gradient
@@ -343,7 +408,7 @@ EXERCISES: dict[str, Exercise] = {e.name: e for e in [
              lambda case, r, w: f"tensor={show(_ring_input(case, r))}", _ring_together),
     Exercise("syncbn_backward", "SyncBatchNorm backward: dx, dweight, dbias from global sums",
              _bn_cases, _bn_run, _bn_describe),
-    Exercise("shard_layout", "a flat buffer's padding and one rank's shard offsets",
+    Exercise("shard_layout", "each parameter cut along dim 0: this rank's rows, widths and k",
              _layout_cases, _layout_run, lambda case, r, w: ""),
     Exercise("reduce_gradient", "stage 2's reduction: reduce-scatter, average, drop padding",
              _reduce_cases, _reduce_run,

@@ -1,39 +1,57 @@
-"""FlatBuffer: one unit's parameters as views into one padded 1-D buffer, and this rank's shard of it.
+"""FlatBuffer: one unit's communication buffer, and each parameter's shard cut along dim 0.
 
-The layout, for parameters a (3x2), b (3), c (5) and a group of 4 ranks::
+Every parameter is cut into N chunks of rows, as FSDP2 cuts it: with R rows, each rank gets
+c = ceil(R / N) rows (the last ones fewer, maybe none), padded to c rows for the collectives.
+Rank r's *shard* puts its chunk of every parameter side by side. For a (3x2), b (3), c (5), N=2::
 
-    full  = [a a a a a a b b b c c c c c | pad pad]      numel 14, padded to 16 = 4 ranks x k=4
-             0           6     9          14    16
-    rank 0 owns full[0:4]    a a a a
-    rank 1 owns full[4:8]    a a b b
-    rank 2 owns full[8:12]   b c c c
-    rank 3 owns full[12:16]  c c | pad pad   -> its shard Parameter holds only the 2 real elements
+    a: rows 0-1 -> rank 0, row 2 + one pad row -> rank 1        (c=2 rows of 2: width 4)
+    b: b0 b1 -> rank 0, b2 + pad -> rank 1                      (width 2)
+    c: c0 c1 c2 -> rank 0, c3 c4 + pad -> rank 1                (width 3)
 
-  * ``full`` is a leaf tensor; while it is gathered, the module's ``a``, ``b``, ``c`` are
-    ``torch.split`` views of it, so autograd sums their gradients into ``full.grad`` in one
-    concatenation (one flat gradient per unit, ready to reduce in one collective).
-  * ``shard`` is the ``nn.Parameter`` the optimizer sees: this rank's slice, *without* padding, so
-    padding never reaches the optimizer's math, a norm or a state dict. Collectives need equal
-    sizes on every rank, so they move the padded slice (``k`` elements); padding stays zero.
+    rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        k = 4 + 2 + 3 = 9 elements on every rank
+    rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        (_ : padding, always zero)
+
+The *user parameters* (the module's own ``nn.Parameter`` objects, kept: build.py) hold this
+rank's rows of each parameter, with the original number of dimensions: ``a`` is (2, 2) on rank 0
+and (1, 2) on rank 1. So ``model.named_parameters()`` keeps its names, ``p.dim()`` still picks
+weight decay, and any one parameter can be frozen. The optimizer steps those.
+
+``full`` is the buffer the module computes with, parameter by parameter (each padded to N chunks)::
+
+    full = [a0 a1 a2 _ | b0 b1 b2 _ | c0 c1 c2 c3 c4 _ ]        N * k = 18 elements
+    all-gather out = [rank 0's shard | rank 1's shard]  (N x k): copied out, parameter by
+    parameter: full's region of a, viewed as (N, 4), is the gathered columns of a.
+
+The module's parameters are views of ``full`` while a unit computes, so autograd sums their
+gradients into ``full.grad`` in that layout; before the reduce-scatter it is copied into the
+rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
+parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
+unit, as before; the price is one copy of the unit's bytes per gather and per reduction (none
+when a unit has one parameter, or N = 1: then both layouts are the same). FSDP1 and DeepSpeed cut
+the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copies, but the pieces are 1-D
+slices across parameter boundaries, so names, shapes and per-parameter freezing are lost.
+
+Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
+collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.
 
 Where the tensors live is the buffer's :class:`FlatMode` (zero.py's stage table picks it):
 
-    mode      full params              shard Parameter                        optimizer sees
-    NONE      always (it IS the param)  full itself, unpadded                  the whole flat
-    VIEW      always                    a view of full's own slice (no copy)   the shard
-    OWN       only while gathered       its own storage, padded to k           the shard
+    mode      full                       the user parameters are views of
+    NONE      always (stage 0, N = 1)    full (the whole parameters)
+    VIEW      always (stages 1-2)        full: this rank's rows of each parameter's region
+    OWN       only while gathered (3)    ``_master``: k elements of their own
 
-``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the ranks
-of one node, say) and that whole group is replicated R times (once per node). Replicas hold identical
-shards; gathers stay inside ``group``; a gradient is reduce-scattered (avg) inside ``group``, then
-this rank's k-element slice is all-reduced (avg) across its replicas, so it ends up as the mean
-over all R·S ranks, having crossed nodes only as a 1/S-sized piece::
+``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the
+ranks of one node, say) and that whole group is replicated R times. Gathers stay inside
+``group``; a gradient is reduce-scattered (avg) inside ``group``, then this rank's k elements are
+all-reduced (avg) across its replicas: the mean over all R·S ranks, having crossed nodes only
+as a 1/S-sized piece::
 
     per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
 
-``mixed precision`` (``param_dtype``): full is kept in the compute dtype and the shard is an fp32
-master copy with storage of its own; gathers send the shard cast to ``param_dtype``. So a VIEW
-buffer becomes OWN under a cast, decided where it is built (:meth:`FlatMode.under_cast`).
+``mixed precision`` (``param_dtype``): full is kept in the compute dtype and ``_master`` holds the
+fp32 values; gathers send them cast to ``param_dtype``. So a VIEW buffer becomes OWN under a
+cast, decided where it is built (:meth:`FlatMode.under_cast`).
 """
 from __future__ import annotations
 
@@ -45,15 +63,15 @@ from torch import nn
 
 from minishard import comm
 
-__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads"]
+__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "rows_of"]
 
 
 class FlatMode(str, enum.Enum):
-    """Where a flat buffer's full tensor and shard live (the table in the module docstring).
+    """Where a flat buffer's full tensor and shards live (the table in the module docstring).
     A ``str`` enum: ``FlatMode.VIEW == "view"``, so the old spellings still compare equal."""
-    NONE = "none"  # not sharded (stage 0): full IS the parameter
-    VIEW = "view"  # full always kept; the shard is a view of this rank's slice of it
-    OWN = "own"    # the shard owns its storage; full exists only while gathered
+    NONE = "none"  # not sharded (stage 0): the parameters are views of full
+    VIEW = "view"  # full always kept; the shards are views of this rank's rows in it
+    OWN = "own"    # the shards own their storage (_master); full exists only while gathered
 
     def under_cast(self, cast: bool) -> "FlatMode":
         """The mode to build when full holds another dtype than the master (mixed precision):
@@ -61,10 +79,16 @@ class FlatMode(str, enum.Enum):
         return FlatMode.OWN if self is FlatMode.VIEW and cast else self
 
 
+def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim-0 cut into ``ranks`` chunks of ceil(n_rows / ranks) that
+    ``rank`` holds (empty for the last ranks when there are fewer rows than ranks)."""
+    c = math.ceil(n_rows / ranks)
+    return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
+
+
 class FlatBuffer:
-    """The parameters ``params`` of one unit (one dtype, one requires_grad) flattened into
-    ``full``, this rank's ``shard`` of it, and the collectives that move between the two
-    (the layout and the three modes are drawn in the module docstring)."""
+    """The parameters ``params`` of one unit (one dtype, one requires_grad), their ``full``
+    buffer, this rank's shards of them, and the collectives between the two."""
 
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode | str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "",
@@ -82,138 +106,193 @@ class FlatBuffer:
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.numel = sum(self.numels)
-        ranks = 1 if mode is FlatMode.NONE else self.world
-        self.padded_numel = math.ceil(self.numel / ranks) * ranks
-        self.shard_numel = self.padded_numel // ranks               # k: what each rank sends
-        start = 0 if mode is FlatMode.NONE else self.rank * self.shard_numel
-        self.shard_start = start
-        self.shard_real = max(0, min(self.shard_numel, self.numel - start))  # without padding
+        self.ranks = n = 1 if mode is FlatMode.NONE else self.world
+        self._r = r = 0 if mode is FlatMode.NONE else self.rank  # our chunk of each param
+        self.n_rows = [s[0] if len(s) else 1 for s in self.shapes]   # a 0-dim param: one row
+        self.row_numels = [math.prod(s[1:]) for s in self.shapes]
+        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
+        self.offsets = [sum(self.widths[:j]) for j in range(len(params))]  # in the shard
+        self.shard_numel = sum(self.widths)                  # k: what each rank sends
+        self.padded_numel = n * self.shard_numel
+        self.row_ranges = [rows_of(rows, n, r) for rows in self.n_rows]  # this rank's rows
+        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
+                                                                    self.row_numels))
+        # full and the shards have the same layout when each rank's shard is one piece of full
+        self._same_layout = n == 1 or len(params) == 1
+        self.params: list[nn.Parameter] = []  # the user parameters: adopt()
 
-        # Parameters on the meta device have no values yet (deferred init, units.py): what this
-        # rank keeps is laid out on ``device`` as zeros, and write_param() fills it in.
+        # Parameters on the meta device have no values yet (deferred init): what this rank
+        # keeps is laid out on ``device`` as zeros, and write_param() fills it in.
         deferred = first.is_meta
         cast = self.param_dtype != self.dtype
         if mode.under_cast(cast) is not mode:
             raise ValueError(f"FlatBuffer {name!r}: a {mode.name} shard cannot hold the master "
                              f"dtype in a {self.param_dtype} full buffer; build the mode "
                              "FlatMode.under_cast() gives")
-        with torch.no_grad():
-            if deferred:  # mode OWN keeps only the shard: no full-size zeros for it
-                values = None if mode is FlatMode.OWN else torch.zeros(
-                    self.padded_numel, dtype=self.dtype, device=device)
-            else:
-                values = torch.zeros(self.padded_numel, dtype=self.dtype, device=first.device)
-                torch.cat([p.detach().reshape(-1) for p in params], out=values[:self.numel])
-        if mode is FlatMode.NONE:
-            self.full = nn.Parameter(values if not cast else values.to(self.param_dtype),
-                                     requires_grad=self.requires_grad)
-            self.shard = self.full if not cast else nn.Parameter(values, self.requires_grad)
-            self._shard_padded = self.shard.data
-        elif mode is FlatMode.VIEW:
-            self.full = values.requires_grad_(self.requires_grad)
-            self._shard_padded = self.full.data[start:start + self.shard_numel]
-            self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
+        self._master = None          # the values the user parameters view, when not full's
+        if deferred and mode is FlatMode.OWN:  # only the shard, no full-size zeros
+            self._master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+            values = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+            values.untyped_storage().resize_(0)  # allocated and freed at once, never touched
         else:
-            if values is None:  # deferred: full is allocated and freed at once, never touched
-                self._shard_padded = torch.zeros(self.shard_numel, dtype=self.dtype,
-                                                 device=device)
-                values = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
-                values.untyped_storage().resize_(0)
-            else:
-                self._shard_padded = values[start:start + self.shard_numel].clone()
-            self.full = values.to(self.param_dtype).requires_grad_(self.requires_grad)
-            self.shard = nn.Parameter(self._shard_padded[:self.shard_real], self.requires_grad)
-        self._gathered_version = self.shard._version
+            with torch.no_grad():
+                values = torch.zeros(self.padded_numel, dtype=self.dtype,
+                                     device=device if deferred else first.device)
+                for j, p in enumerate([] if deferred else params):
+                    self._region(values, j)[:self.numels[j]].copy_(p.detach().reshape(-1))
+        if mode is FlatMode.OWN and self._master is None:
+            self._master = self._rows_of_rank(values, r)
+            values = values.to(self.param_dtype)
+        elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
+            self._master, values = values, values.to(self.param_dtype)
+        self.full = values.requires_grad_(self.requires_grad)
+        self._gathered_version = 0
         self._pending = None  # an async gather in flight
 
     # ------------------------------------------------------------------------------- layout
-    def views(self) -> list[torch.Tensor]:
-        """The parameters, shaped as the module expects, as views of ``full`` (autograd-aware)."""
-        pieces = torch.split(self.full, self.numels + [self.padded_numel - self.numel])
-        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
+    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter j's padded region (N chunks) of a full-layout tensor."""
+        start = self.ranks * self.offsets[j]
+        return flat[start:start + self.ranks * self.widths[j]]
 
-    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """Unpadded full ``values`` (``numel`` elements, e.g. gathered masters) as views shaped
-        like the parameters."""
-        return [piece.view(shape) for piece, shape in zip(torch.split(values, self.numels),
-                                                          self.shapes)]
+    def _rows_of_rank(self, flat: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's shard (k elements, padded) cut out of a full-layout tensor (a copy)."""
+        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
+                          for j in range(len(self.widths))])
 
-    def detached_views(self) -> list[torch.Tensor]:
-        """:meth:`views` outside autograd: what the module shows between steps."""
-        with torch.no_grad():
-            return [v.detach() for v in self.views()]
+    def shard_views(self) -> list[torch.Tensor]:
+        """This rank's rows of each parameter, shaped like its shard, as views of the storage
+        that holds them (``_master`` in mode OWN, else full's layout): the user parameters."""
+        out = []
+        for j, ((lo, hi), m) in enumerate(zip(self.row_ranges, self.row_numels)):
+            n = (hi - lo) * m
+            if self.mode is FlatMode.OWN:
+                piece = self._master[self.offsets[j]:self.offsets[j] + n]
+            else:  # this rank's chunk of the parameter's region (NONE: the whole of it)
+                source = self.full.data if self._master is None else self._master
+                piece = self._region(source, j).view(self.ranks, -1)[self._r][:n]
+            out.append(piece.view(self.shard_shape(j)))
+        return out
 
-    def held_range(self) -> tuple[int, int]:
-        """The unpadded range [lo, hi) of the flat that the shard Parameter holds (NONE: all)."""
-        if self.mode is FlatMode.NONE:
-            return 0, self.numel
-        lo = min(self.shard_start, self.numel)
-        return lo, lo + self.shard_real
+    def shard_shape(self, j: int) -> torch.Size:
+        """Parameter j's shape on this rank: its rows (the whole shape in mode NONE or on one
+        rank; else a 0-dim parameter's shard is 1-D: one row or none)."""
+        if self.mode is FlatMode.NONE or self.ranks == 1:
+            return self.shapes[j]
+        lo, hi = self.row_ranges[j]
+        return torch.Size([hi - lo, *self.shapes[j][1:]])
+
+    def adopt(self, originals: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Make each original parameter hold this rank's rows (``p.data`` re-pointed, so an
+        optimizer built before wrapping still holds the right objects); a new Parameter where
+        the original cannot (it is on the meta device, or on another device or dtype)."""
+        self.params = []
+        for j, (p, view) in enumerate(zip(originals, self.shard_views())):
+            if p.device == view.device and p.dtype == view.dtype and not p.is_meta:
+                grad, p.grad = p.grad, None
+                p.data = view
+                if grad is not None:  # a gradient from before wrapping: this rank's rows of it
+                    p.grad = self.my_rows(j, grad).clone()
+            else:
+                p = nn.Parameter(view, requires_grad=p.requires_grad)
+            self.params.append(p)
+        self._gathered_version = self.version()
+        return self.params
+
+    def views(self, detached: bool = False) -> list[torch.Tensor]:
+        """The parameters, shaped as the module expects, as views of ``full`` (autograd-aware
+        unless ``detached``; a frozen parameter's view is detached: it gets no gradient)."""
+        out = []
+        for j, shape in enumerate(self.shapes):
+            v = self._region(self.full, j)[:self.numels[j]].view(shape)
+            frozen = self.params and not self.params[j].requires_grad
+            out.append(v.detach() if frozen or detached else v)
+        return out
+
+    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
+        lo, hi = self.row_ranges[j]
+        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
 
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
 
-    def set_requires_grad(self, requires_grad: bool) -> None:
-        """Freeze (False) or unfreeze the whole buffer: its full tensor and its shard. A frozen
-        buffer gets no gradient, so the optimizer skips its shard (no step, no weight decay)."""
-        self.requires_grad = requires_grad
-        self.full.requires_grad_(requires_grad)
-        self.shard.requires_grad_(requires_grad)
+    def sync_requires_grad(self) -> bool:
+        """The user parameters' ``requires_grad`` is the truth: ``full`` needs a gradient when
+        any of them does. Returns whether it changed."""
+        want = any(p.requires_grad for p in self.params)
+        changed = want != self.requires_grad
+        self.requires_grad = want
+        self.full.requires_grad_(want)
+        return changed
 
     def held_bytes(self) -> int:
-        """Bytes of storage this buffer holds now: ``full`` (if not freed) and the shard's own."""
+        """Bytes of storage this buffer holds now: ``full`` (if not freed) and ``_master``."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (self.full, self._shard_padded)}
+                    for t in (self.full, self._master) if t is not None}
         return sum(storages.values())
 
     def write_param(self, j: int, value: torch.Tensor) -> None:
         """Store parameter ``j``'s whole ``value`` (every rank has it) where this rank keeps it:
-        all of it into ``full`` while ``full`` is kept (cast to the compute dtype), and the part
-        that falls in this rank's slice ``[shard_start, shard_start + k)`` into the shard::
-
-            param j = flat[a:b]     shard = flat[s:s+k]     shard[lo-s:hi-s] = value[lo-a:hi-a]
-                                                            lo, hi = max(a, s), min(b, s+k)
-
-        Used by deferred init (units.py), one parameter at a time: no rank ever needs the
-        whole flat buffer to fill its shard."""
-        a = sum(self.numels[:j])
-        b, flat_value = a + self.numels[j], value.detach().reshape(-1)
+        all of it into ``full`` while ``full`` is kept, and its rows into the shard. Used by
+        deferred init, one parameter at a time: no rank ever needs the whole flat buffer."""
         with torch.no_grad():
             if self.is_gathered:
-                self.full.data[a:b].copy_(flat_value)
-            s = self.shard_start
-            lo, hi = max(a, s), min(b, s + self._shard_padded.numel())
-            if lo < hi:
-                self._shard_padded[lo - s:hi - s].copy_(flat_value[lo - a:hi - a])
-        if self.is_gathered:
-            self._gathered_version = self.shard._version  # full and shard agree: not stale
+                self._region(self.full.data, j)[:self.numels[j]].copy_(value.reshape(-1))
+            self.shard_views()[j].copy_(self.my_rows(j, value.detach()))
 
     # ---------------------------------------------------------------------- full param storage
+    def version(self) -> int:
+        """Changes whenever a user parameter is written in place (an optimizer step, a load)."""
+        return sum(p._version for p in self.params)
+
     @property
     def is_gathered(self) -> bool:
         return self.full.untyped_storage().size() > 0
 
     @property
     def is_stale(self) -> bool:
-        """True when the shard changed (an optimizer step) since ``full`` was last gathered."""
-        return self.shard is not self.full and self.shard._version != self._gathered_version
+        """True when a shard changed (an optimizer step) since ``full`` was last gathered."""
+        return self._needs_gather_to_show() and self.version() != self._gathered_version
+
+    def _needs_gather_to_show(self) -> bool:
+        return self.mode is not FlatMode.NONE or self._master is not None
 
     @property
     def needs_gather(self) -> bool:
-        """``full`` is freed, or older than the shard: a gather must refresh it."""
+        """``full`` is freed, or older than the shards: a gather must refresh it."""
         return not self.is_gathered or self.is_stale
 
     def gather(self, async_op: bool = False) -> None:
         """All-gather every rank's shard into ``full`` (allocating it if it was freed)."""
-        if self.mode is FlatMode.NONE and self.param_dtype == self.dtype:
+        if not self._needs_gather_to_show():
             return
         self._start_gather()
         with torch.no_grad():
             if self.mode is FlatMode.NONE:  # mixed precision without sharding: just cast
-                self.full.data.copy_(self.shard.data)
-            else:
+                self.full.data.copy_(self._master)
+                return
+            if self._same_layout:
                 self._pending = comm.all_gather(self.full.data, self._send(), self.group,
                                                 async_op=async_op, tag=self.name)
+                return
+            rows = self.full.new_empty(self.ranks, self.shard_numel)
+            handle = comm.all_gather(rows, self._send(), self.group, async_op=True,
+                                     tag=self.name)
+            self._pending = comm.Handle(then=lambda: (handle.wait(), self.land(rows)))
+        if not async_op:
+            self.wait()
+
+    def land(self, rows: torch.Tensor) -> None:
+        """Copy gathered shards (``rows``: N x k, rank-major) into ``full``, parameter by
+        parameter: parameter j's region of full, viewed (N, width_j), is rows' columns of j."""
+        with torch.no_grad():
+            full = self.full.data
+            if self._same_layout:
+                full.view(self.ranks, -1).copy_(rows)
+                return
+            for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
+                self._region(full, j).view(self.ranks, w).copy_(rows[:, o:o + w])
 
     def _start_gather(self) -> None:
         """Make room in ``full`` (if it was freed) and mark it as holding the current shards.
@@ -223,11 +302,13 @@ class FlatBuffer:
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.full_bytes())
-        self._gathered_version = self.shard._version
+        self._gathered_version = self.version()
 
     def _send(self) -> torch.Tensor:
         """What this rank contributes to a gather: its padded shard, in the compute dtype."""
-        return self._shard_padded.to(self.param_dtype)
+        if self._master is not None:
+            return self._master.to(self.param_dtype)
+        return self._rows_of_rank(self.full.data, self.rank)
 
     def wait(self) -> None:
         """Finish an async :meth:`gather`."""
@@ -242,33 +323,36 @@ class FlatBuffer:
         self.full.untyped_storage().resize_(0)
 
     def push_to_shard(self) -> None:
-        """Copy this rank's slice of ``full`` into the shard (after someone edited ``full``)."""
+        """Copy this rank's rows of ``full`` into the shards (after someone edited ``full``)."""
         with torch.no_grad():
-            if self.mode is not FlatMode.VIEW:  # a VIEW shard already IS that slice
-                sl = self.full.data[self.shard_start:self.shard_start + self.shard_real]
-                self.shard.data.copy_(sl)
-        self._gathered_version = self.shard._version
+            if self._master is not None:  # VIEW and plain NONE shards ARE views of full
+                for j, p in enumerate(self.params):
+                    p.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
+        self._gathered_version = self.version()
 
-    def gather_shards(self, shard_like: torch.Tensor, what: str = "state dict") -> torch.Tensor:
-        """Every rank's ``shard_like`` (shaped like this rank's shard: the master values, or an
-        optimizer state such as Adam's ``exp_avg``) joined into a new tensor of ``numel``
-        elements, no padding: what state dicts need, whatever the stage or mixed precision."""
+    def gather_shards(self, pieces: list[torch.Tensor], what: str = "state dict"
+                      ) -> list[torch.Tensor]:
+        """Every rank's ``pieces`` (one per parameter, shaped like this rank's shard of it: the
+        values, or an optimizer state such as Adam's ``exp_avg``) joined into the full tensors,
+        no padding: what state dicts need, whatever the stage or mixed precision."""
         if self.mode is FlatMode.NONE:  # every rank already holds all of it
-            return shard_like.detach()[:self.numel].clone()
-        send = shard_like.new_zeros(self.shard_numel)  # collectives need equal sizes: pad to k
-        send[:self.shard_real] = shard_like.detach()
-        out = shard_like.new_empty(self.padded_numel)
-        comm.all_gather(out, send, self.group, tag=f"{self.name} ({what})")
-        return out[:self.numel]
+            return [t.detach().reshape(s).clone() for t, s in zip(pieces, self.shapes)]
+        send = pieces[0].new_zeros(self.shard_numel)  # collectives need equal sizes: pad
+        for o, t in zip(self.offsets, pieces):
+            send[o:o + t.numel()] = t.detach().reshape(-1)
+        rows = send.new_empty(self.ranks, self.shard_numel)
+        comm.all_gather(rows, send, self.group, tag=f"{self.name} ({what})")
+        return [rows[:, o:o + w].reshape(-1)[:n].view(s).clone() for o, w, n, s in
+                zip(self.offsets, self.widths, self.numels, self.shapes)]
 
-    def load_master(self, values: torch.Tensor, only_if_changed: bool = False) -> None:
-        """Set the master values from the full, unpadded ``values`` (each rank keeps its slice).
-        ``only_if_changed``: leave the shard (and its version: no re-gather) if equal."""
+    def load_master(self, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
+        """Set the shards from the full ``values`` (one per parameter; each rank keeps its
+        rows). ``only_if_changed``: leave an equal shard (and its version: no re-gather)."""
         with torch.no_grad():
-            mine = values[self.shard_start:self.shard_start + self.shard_real]
-            mine = mine.reshape(self.shard.shape).to(self.dtype)
-            if not (only_if_changed and torch.equal(mine, self.shard)):
-                self.shard.copy_(mine)
+            for j, (p, value) in enumerate(zip(self.params, values)):
+                mine = self.my_rows(j, value).to(self.dtype)
+                if not (only_if_changed and torch.equal(mine, p)):
+                    p.copy_(mine)
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -281,14 +365,26 @@ class FlatBuffer:
         self.full.grad = None
         return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
 
+    def rank_major(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy a full-layout ``grad`` into ``out`` (N x k): row r = what rank r receives."""
+        if self._same_layout:
+            out.copy_(grad.view(self.ranks, -1))
+            return
+        for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
+            out[:, o:o + w].copy_(self._region(grad, j).view(self.ranks, w))
+
     def add_shard_grad(self, piece: torch.Tensor) -> None:
-        """Accumulate this rank's reduced slice (``piece``: k elements, or the whole flat in mode
-        NONE) into ``shard.grad``, padding dropped, in the master dtype."""
-        g = (piece if self.mode is FlatMode.NONE else piece[:self.shard_real]).to(self.dtype)
-        if self.shard.grad is None:
-            self.shard.grad = g
-        else:
-            self.shard.grad.add_(g)
+        """Accumulate this rank's reduced ``piece`` (k elements, or the whole buffer in mode
+        NONE) into the user parameters' ``.grad`` (views of it, padding dropped, in the master
+        dtype). A frozen parameter's grad stays None."""
+        for j, p in enumerate(self.params):
+            if not p.requires_grad:
+                continue
+            g = piece[self.offsets[j]:self.offsets[j] + p.numel()].view(p.shape).to(self.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
@@ -301,7 +397,7 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
         flat A (k=2), flat B (k=3):   send = [A's shard, B's shard]            (5 elements)
         staging (N x 5) after the gather:  rank 0 [a0 a1 b0 b1 b2]
                                            rank 1 [a2 a3 b3 b4 b5]
-        A.full = staging[:, 0:2] read row by row = [a0 a1 a2 a3]; B.full = staging[:, 2:5]
+        A lands from staging[:, 0:2], B from staging[:, 2:5] (FlatBuffer.land)
 
     One collective instead of one per buffer: on gloo, with ~1 MiB buffers, the per-call cost is
     most of the time. The price is the staging buffer and one copy of the gathered bytes."""
@@ -322,10 +418,7 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
         handle.wait()
         pieces = torch.split(staging, [f.shard_numel for f in flats], dim=1)
         for flat, piece in zip(flats, pieces):
-            rows = flat.full.data.view(n, -1)
-            for j in range(n):
-                if j != r or flat.mode is not FlatMode.VIEW:  # a VIEW shard IS row r already
-                    rows[j].copy_(piece[j])
+            flat.land(piece)
 
     shared = comm.Handle(then=land)
     for flat in flats:
@@ -335,17 +428,17 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
 
 def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:
     """Average the full gradients of ``flats`` (same group and mode) over the ranks in ONE
-    collective, into each one's ``shard.grad``; returns a handle to wait on. With replicas
-    (hybrid sharding), waiting also all-reduces (avg) the reduced slices across them: the mean
-    of S-rank means over R replicas is the mean over all R·S ranks.
+    collective, into their user parameters' ``.grad``; returns a handle to wait on. With
+    replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
+    the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
     Mode NONE (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
-    after which each rank keeps its slice of every buffer. For that, each rank's slices of the
-    buffers must sit side by side in the buffer we send::
+    after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
+    the buffers must sit side by side in the buffer we send (rank-major, FlatBuffer.rank_major)::
 
-        flat A (k=2): [a0 a1 | a2 a3]          flat B (k=3): [b0 b1 b2 | b3 b4 b5]
-        send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each viewed as N x k, joined on dim 1)
-        rank 0 receives [a0 a1 b0 b1 b2]: A's shard, then B's; rank 1 the other half.
+        flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
+        send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
+        rank 0 receives [a0 a1 b0 b1 b2]: its piece of A, then of B; rank 1 the other half.
 
     One collective for several small buffers costs one per-call latency instead of several.
     """
@@ -358,7 +451,13 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
         out, sizes = send, [f.padded_numel for f in flats]
     else:
         n = first.world
-        send = grads[0] if len(grads) == 1 else torch.cat([g.view(n, -1) for g in grads], 1)
+        if len(flats) == 1 and first._same_layout:
+            send = grads[0]
+        else:
+            send = grads[0].new_empty(n, sum(f.shard_numel for f in flats))
+            columns = torch.split(send, [f.shard_numel for f in flats], dim=1)
+            for flat, grad, cols in zip(flats, grads, columns):
+                flat.rank_major(grad, cols)
         out = send.new_empty(sum(f.shard_numel for f in flats))
         handle = comm.reduce_scatter(out, send.reshape(-1), "avg", first.group, async_op=True,
                                      tag=tag)

@@ -22,27 +22,33 @@ from minishard.checkpoint_files import CheckpointError
 from minishard.verdicts import rank0_verdict
 
 __all__ = ["gathered", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict",
-           "load_full_optimizer_state_dict", "original_parameter_names", "named_flats",
-           "split_state", "group_flat_names", "hyperparameters", "torch_optimizer_state"]
+           "load_full_optimizer_state_dict", "original_parameter_names", "named_params",
+           "split_state", "group_param_names", "hyperparameters", "torch_optimizer_state",
+           "buffer_state"]
 
 
 # ------------------------------------------------------------------------ full parameters
 @contextlib.contextmanager
 def gathered(units, writeback: bool, on_gather, put_back):
     """``model.gathered()``: fp32 masters gathered from the shards where the compute buffer
-    holds rounded values (mixed precision), else the gathered full buffers, detached; on exit,
-    edits written back (only a master that changed), and ``put_back(unit)`` for each unit."""
-    masters: dict[int, torch.Tensor] = {}
+    holds rounded values (mixed precision), else the gathered full buffers, detached; each
+    shown as an ``nn.Parameter`` (``named_parameters()`` gives the full tensors, with the user
+    parameter's ``requires_grad``). The block runs under ``torch.no_grad()``, as edits to
+    weights do. On exit, edits written back (only a master that changed), and ``put_back(unit)``
+    for each unit."""
+    masters: dict[int, list[torch.Tensor]] = {}
     for unit in units:
         for flat in unit.flats:
             if flat.param_dtype != flat.dtype:
-                masters[id(flat)] = master = flat.gather_shards(flat.shard, "gathered()")
-                unit.show(flat, flat.split(master))
+                values = masters[id(flat)] = flat.gather_shards(flat.params, "gathered()")
             else:
                 unit.gather_flat(flat, False, on_gather)
-                unit.show(flat, flat.detached_views())
+                values = flat.views(detached=True)
+            unit.show(flat, [torch.nn.Parameter(v, requires_grad=p.requires_grad)
+                             for v, p in zip(values, flat.params)])
     try:
-        yield
+        with torch.no_grad():
+            yield
     finally:
         for unit in units:
             for flat in unit.flats:
@@ -53,6 +59,17 @@ def gathered(units, writeback: bool, on_gather, put_back):
             put_back(unit)
 
 
+def buffer_state(module) -> dict[str, torch.Tensor]:
+    """The module's state dict without its parameters: its persistent buffers, by name, in
+    ``state_dict()`` order (read directly: ``state_dict()`` itself refuses shards, guards.py)."""
+    out = {}
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        for name, b in m._buffers.items():
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = b
+    return out
+
+
 def full_state_dict(units, module, keys: list[str], every, rank0_only: bool) -> dict:
     """``model.full_state_dict()``: every rank joins every gather; only a keeping rank copies.
     [Note: rank 0] "Rank 0" is rank 0 of ``every``, the group of all the engine's ranks (global
@@ -61,15 +78,15 @@ def full_state_dict(units, module, keys: list[str], every, rank0_only: bool) -> 
     values: dict[str, torch.Tensor] = {}
     for unit in units:
         for flat in unit.flats:
-            master = flat.gather_shards(flat.shard)
+            full = flat.gather_shards(flat.params)
             if not keep:
                 continue
-            for param, piece in zip(unit.params(flat), flat.split(master)):
+            for param, value in zip(unit.params(flat), full):
                 for place in param.places:
-                    values[place.fqn] = piece.clone()
+                    values[place.fqn] = value.clone()
     if not keep:
         return {}
-    for name, buf in module.state_dict().items():
+    for name, buf in buffer_state(module).items():
         values.setdefault(name, buf.detach().clone())
     return {k: values[k] for k in keys}
 
@@ -78,7 +95,7 @@ def load_full_state_dict(units, module, keys: list[str], every, state_dict,
                          from_rank0: bool) -> None:
     """``model.load_full_state_dict()``: checked first (by rank 0 alone with ``from_rank0``,
     which then tells every rank its verdict), then loaded one flat buffer at a time, each rank
-    keeping its shard; buffers follow, one by one. The caller refreshes the full buffers.
+    keeping its rows; buffers follow, one by one. The caller refreshes the full buffers.
     With ``from_rank0`` the broadcasts span ``every``, replicas included ([Note: rank 0])."""
     rank0 = comm.group_rank(every) == 0
     error = _state_dict_problem(units, keys, state_dict) if rank0 or not from_rank0 else None
@@ -91,22 +108,22 @@ def load_full_state_dict(units, module, keys: list[str], every, state_dict,
     with torch.no_grad():
         for unit in units:
             for flat in unit.flats:
+                params = list(unit.params(flat))
                 if rank0 or not from_rank0:
                     full = torch.cat([state_dict[p.name].reshape(-1).to(flat.dtype)
-                                      for p in unit.params(flat)]).to(flat.shard.device)
+                                      for p in params]).to(flat.full.device)
                 else:
-                    full = flat.shard.new_empty(flat.numel)
+                    full = torch.empty(flat.numel, dtype=flat.dtype, device=flat.full.device)
                 if from_rank0:
                     comm.broadcast(full, 0, every, tag=f"{flat.name} (from rank 0)")
-                flat.load_master(full)
-        buffers = module.state_dict()
-        for name, buf in buffers.items():
+                flat.load_master([v.view(s) for v, s in
+                                  zip(torch.split(full, flat.numels), flat.shapes)])
+        for name, buf in buffer_state(module).items():
             value = state_dict[name] if rank0 or not from_rank0 else buf.detach().clone()
+            value = value.to(buf.device, buf.dtype)
             if from_rank0:
-                value = value.to(buf.device, buf.dtype)
                 comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")
-            buffers[name] = value
-        module.load_state_dict(buffers, strict=False)
+            buf.copy_(value)
 
 
 def _state_dict_problem(units, keys: list[str], state_dict) -> str | None:
@@ -126,46 +143,40 @@ def _state_dict_problem(units, keys: list[str], state_dict) -> str | None:
     return None
 
 
-# ------------------------------------------------------------------ the flats, by name
-def named_flats(model):
-    """``(name, flat, fqns)`` for every flat buffer of the engine, in unit order. ``name`` is the
-    flat's tag, unit name + dtype (+ "/frozen"), e.g. ``blocks.0/float32``: stable across runs
-    and world sizes. ``fqns[j]`` lists every name parameter j has in the module (tied: several)."""
-    seen = set()
+# ------------------------------------------------------------------ the parameters, by name
+def named_params(model):
+    """``(name, param)`` (unit.py's Param: its flat buffer, index, places) of every parameter
+    of the engine, in unit order, under its first name: stable across runs and world sizes."""
     for unit in model.units:
-        for flat in unit.flats:
-            if flat.name in seen or not flat.name:
-                raise CheckpointError(f"two flat buffers share the name {flat.name!r}; "
-                                      "checkpoints key flat buffers by name")
-            seen.add(flat.name)
-            yield flat.name, flat, [[pl.fqn for pl in p.places] for p in unit.params(flat)]
+        for param in unit.params():
+            yield param.name, param
 
 
 def split_state(state: dict, shard: torch.Tensor) -> tuple[dict, dict]:
-    """Split one shard's optimizer state into per-element tensors (shaped like the shard: cut and
-    concatenated like the master values) and scalars (``step``, ...: copied as they are)."""
+    """Split one parameter's optimizer state into per-element tensors (shaped like its shard:
+    cut and gathered like the values) and scalars (``step``, ...: copied as they are)."""
     per_element, scalars = {}, {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape != shard.shape:
                 raise CheckpointError(
                     f"optimizer state {key!r} has shape {tuple(value.shape)}, neither the shard's "
-                    f"{tuple(shard.shape)} nor a scalar: minishard cannot cut it into slices")
+                    f"{tuple(shard.shape)} nor a scalar: minishard cannot cut it into rows")
             per_element[key] = value
         else:
             scalars[key] = value
     return per_element, scalars
 
 
-def group_flat_names(model, optimizer) -> list[list[str]]:
-    """For each param group of ``optimizer``, the names of the flats whose shards it holds."""
-    name_of = {id(flat.shard): name for name, flat, _ in named_flats(model)}
+def group_param_names(model, optimizer) -> list[list[str]]:
+    """For each param group of ``optimizer``, the names of the parameters it holds."""
+    name_of = {id(param.user): name for name, param in named_params(model)}
     groups = []
     for i, group in enumerate(optimizer.param_groups):
         if any(id(p) not in name_of for p in group["params"]):
             raise CheckpointError(
                 f"param group {i} of the {type(optimizer).__name__} holds a tensor that is not a "
-                "shard of this ZeRO model; build the optimizer over model.parameters()")
+                "parameter of this ZeRO model; build the optimizer over model.parameters()")
         groups.append([name_of[id(p)] for p in group["params"]])
     return groups
 
@@ -197,115 +208,93 @@ def original_parameter_names(model) -> list[str]:
     return list(model.param_names)
 
 
-def _original_slots(model, param_names: list[str] | None = None) -> list[tuple[str, str, int]]:
-    """``(fqn, flat name, index in the flat)`` of every original parameter, in ``param_names``
-    order (default: the unwrapped module's own order)."""
-    by_alias = {}
-    for unit in model.units:
-        for param in unit.params():
-            for place in param.places:
-                by_alias[place.fqn] = (param.name, param.flat.name, param.index)
+def _numbering(model, optimizer, param_names: list[str] | None) -> list[list]:
+    """For each param group, its parameters (unit.py's Param) in the order a plain optimizer
+    numbers them: ``param_names`` order (default: the unwrapped module's own order)."""
+    by_alias = {place.fqn: param for _, param in named_params(model) for place in param.places}
     names = original_parameter_names(model) if param_names is None else param_names
     unknown = [n for n in names if n not in by_alias]
-    distinct = {by_alias[n] for n in names if n in by_alias}
-    if unknown or len(distinct) != len(names) or len(distinct) != len(set(by_alias.values())):
-        raise ValueError(f"param_names must name each of the model's {len(set(by_alias.values()))} "
-                         f"parameters once (a tied one under any of its names); unknown: {unknown}")
-    return [by_alias[n] for n in names]
+    distinct = {id(by_alias[n]) for n in names if n in by_alias}
+    total = len({id(p) for p in by_alias.values()})
+    if unknown or len(distinct) != len(names) or len(distinct) != total:
+        raise ValueError(f"param_names must name each of the model's {total} parameters once (a "
+                         f"tied one under any of its names); unknown: {unknown}")
+    group_param_names(model, optimizer)  # every optimizer parameter is one of ours
+    order = [by_alias[n] for n in names]
+    return [[p for p in order if any(p.user is q for q in g["params"])]
+            for g in optimizer.param_groups]
 
 
 def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = None) -> dict:
     """The optimizer state dict that ``type(optimizer)`` over the UNWRAPPED model would have, on
-    every rank. Collective (one all-gather per state tensor at stages 1-3).
+    every rank. Collective (one all-gather per flat buffer and state key at stages 1-3).
 
     Format: torch's own. ``state[i]`` belongs to the i-th parameter, numbered in param-group
     order and, within a group, in ``module.parameters()`` order (:func:`original_parameter_names`);
     with the usual single group, i is the index in ``unwrapped.parameters()``. Per-element state
-    has the parameter's full shape; scalars (``step``) are copied to each parameter. So::
+    has the parameter's full shape. So::
 
         m.load_state_dict(model.full_state_dict())
         opt = torch.optim.Adam(m.parameters(), ...)
         opt.load_state_dict(full_optimizer_state_dict(model, zero_opt))  # continues identically
     """
-    slots = _original_slots(model, param_names)
-    groups = group_flat_names(model, optimizer)
-    full = {}  # flat name -> (per-element state, full length; scalars). Same order on all ranks.
-    for name, flat, _ in named_flats(model):
-        state = optimizer.state.get(flat.shard)
-        if state:
-            per_element, scalars = split_state(state, flat.shard)
-            full[name] = ({k: flat.gather_shards(v, "optimizer state")
-                           for k, v in per_element.items()}, scalars)
-    flat_of = {name: flat for name, flat, _ in named_flats(model)}
-
-    def state_of(name: str, j: int) -> dict | None:
-        if name not in full:
-            return None
-        flat, (per_element, scalars) = flat_of[name], full[name]
-        start, shape = sum(flat.numels[:j]), flat.shapes[j]
-        return {**{k: v.clone() if isinstance(v, torch.Tensor) else v
-                   for k, v in scalars.items()},
-                **{k: v[start:start + flat.numels[j]].view(shape).clone()
-                   for k, v in per_element.items()}}
+    groups = _numbering(model, optimizer, param_names)
+    full: dict[int, dict] = {}  # id(Param) -> its full state. Same collectives on all ranks.
+    for unit in model.units:
+        for flat in unit.flats:
+            states = [optimizer.state.get(p, {}) for p in flat.params]
+            keys = sorted({k for s, p in zip(states, flat.params)
+                           for k in split_state(s, p)[0]})
+            gathered_keys = {k: flat.gather_shards(
+                [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
+                "optimizer state") for k in keys}
+            for param, state in zip(unit.params(flat), states):
+                if state:
+                    per_element, scalars = split_state(state, param.user)
+                    full[id(param)] = {**{k: v.clone() if isinstance(v, torch.Tensor) else v
+                                          for k, v in scalars.items()},
+                                       **{k: gathered_keys[k][param.index] for k in per_element}}
     return torch_optimizer_state(
-        (hyperparameters(group), [state_of(name, j) for _, name, j in slots if name in names])
-        for group, names in zip(optimizer.param_groups, groups))
+        (hyperparameters(group), [full.get(id(p)) for p in params])
+        for group, params in zip(optimizer.param_groups, groups))
 
 
 def load_full_optimizer_state_dict(model, optimizer, state_dict: dict,
                                    param_names: list[str] | None = None) -> None:
     """The inverse of :func:`full_optimizer_state_dict`: load a plain optimizer's state dict
-    (numbered as described there) into the sharded ``optimizer``; each rank keeps its slice.
-    Load the parameters with ``model.load_full_state_dict`` too. Not collective.
-
-    The parameters of one flat buffer share one shard, so their scalar state (``step``) must be
-    equal; per-element state is the parameter-shaped tensors (any key but ``step``)."""
-    slots = _original_slots(model, param_names)
-    groups = group_flat_names(model, optimizer)
+    (numbered as described there) into the sharded ``optimizer``; each rank keeps its rows of
+    each per-element state. Load the parameters with ``model.load_full_state_dict`` too. Not
+    collective."""
+    groups = _numbering(model, optimizer, param_names)
     saved_groups = state_dict["param_groups"]
     if len(saved_groups) != len(groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, the optimizer "
                          f"{len(groups)}")
-    flat_of = {name: flat for name, flat, _ in named_flats(model)}
     sharded = []
-    for names, saved in zip(groups, saved_groups):
-        mine = [s for s in slots if s[1] in names]
-        if len(saved["params"]) != len(mine):
-            raise ValueError(f"a param group of state_dict has {len(saved['params'])} parameters; "
-                             f"the model's flats {names} hold {len(mine)}")
-        per_param = {name: [None] * len(flat_of[name].numels) for name in names}
-        for (fqn, name, j), i in zip(mine, saved["params"]):
-            per_param[name][j] = state_dict["state"].get(i)
+    for params, saved in zip(groups, saved_groups):
+        if len(saved["params"]) != len(params):
+            raise ValueError(f"a param group of state_dict has {len(saved['params'])} "
+                             f"parameters; the optimizer's has {len(params)}")
+        by_param = {id(p): state_dict["state"].get(i) for p, i in zip(params, saved["params"])}
         sharded.append((hyperparameters(saved),
-                        [_shard_state(name, flat_of[name], per_param[name]) for name in names]))
+                        [_my_rows_of_state(param, by_param[id(param)])
+                         for param in _in_optimizer_order(params, optimizer, saved)]))
     optimizer.load_state_dict(torch_optimizer_state(sharded))
 
 
-def _shard_state(name: str, flat, states: list) -> dict | None:
-    """One shard's optimizer state from its parameters' full states (None: no state)."""
-    if not any(s for s in states):
+def _in_optimizer_order(params: list, optimizer, saved) -> list:
+    """``params`` (a group, numbered as a plain optimizer does) in the group's own order."""
+    index = {id(p.user): p for p in params}
+    group = next(g for g in optimizer.param_groups
+                 if {id(q) for q in g["params"]} == set(index))
+    return [index[id(q)] for q in group["params"]]
+
+
+def _my_rows_of_state(param, state: dict | None) -> dict | None:
+    """This rank's rows of one parameter's full optimizer state (None: no state)."""
+    if not state:
         return None
-    if not all(s for s in states) or len({frozenset(s) for s in states}) != 1:
-        raise ValueError(f"the parameters of flat {name!r} must all have state with "
-                         "the same keys (they share one shard)")
-    lo, hi = flat.held_range()
-    shard_state = {}
-    for key in states[0]:
-        values = [s[key] for s in states]
-        if key != "step" and all(isinstance(v, torch.Tensor) and v.shape == shape
-                                 for v, shape in zip(values, flat.shapes)):
-            whole = torch.cat([v.reshape(-1) for v in values])
-            shard_state[key] = whole[lo:hi].clone()
-        else:
-            if any(not _same(v, values[0]) for v in values):
-                raise ValueError(f"state {key!r} differs between the parameters of "
-                                 f"flat {name!r}; they share one shard and one value")
-            first = values[0]
-            shard_state[key] = first.clone() if isinstance(first, torch.Tensor) else first
-    return shard_state
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.equal(a, b))
-    return a == b
+    flat, j = param.flat, param.index
+    return {k: flat.my_rows(j, v).clone() if isinstance(v, torch.Tensor)
+            and v.shape == flat.shapes[j] and k != "step" else
+            (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}

@@ -1,16 +1,21 @@
 """Misuse guards: mistakes that would otherwise train silently wrong, turned into errors that
 say what to do. Each is set up once, when the engine wraps a model; none costs a step anything.
 
-1. **A stage-3 parameter used while its unit is released** (:class:`Released`): its places hold
-   stand-ins of the right shape and no storage, and any use names the parameter and its unit,
-   instead of torch's opaque complaint about a storage of size 0 deep inside some operator.
-2. **The module's own parameter API after wrapping** (:func:`guard_module_attributes`): the
-   modules own no parameters any more, so ``module.parameters()`` would be EMPTY, and groups or
-   freezing built from it would silently do nothing. It raises instead; ``requires_grad_``
-   freezes through the engine (:func:`set_requires_grad`: whole flat buffers only).
+1. **A state dict of shards** (:func:`guard_parameters`): at stages 1-3 the module's parameters
+   hold this rank's rows, so ``model.module.state_dict()`` would hold pieces under the full
+   names: ``if rank == 0: torch.save(model.module.state_dict(), f)`` would write a file that
+   loads wrong. It raises instead, on whichever rank calls it (no collective: nothing hangs).
+   ``load_state_dict`` of a FULL state dict works: each rank keeps its rows of each tensor.
+2. **A parameter used outside its unit's compute** (:func:`guard_parameters`): its gradient would
+   reach the user parameter directly, unaveraged (and at stages 1-3 it is only this rank's
+   rows), so ranks would drift apart. Autograd accumulating into it raises instead. At stage
+   3, during a forward, a unit done with its forward shows :class:`Released` stand-ins of the
+   right shape and no storage: any use names the parameter and its unit, instead of computing
+   with this rank's rows (or torch's opaque shape error).
 3. **An optimizer built before wrapping** (:func:`refuse_orphaned_params`, a global optimizer
-   step pre-hook): it would update tensors the model no longer uses. Also refused: an empty
-   param group over minishard's shards (groups picked by name after wrapping).
+   step pre-hook): the module keeps its parameter objects, so such an optimizer trains; it is
+   refused only if it holds a parameter the engine had to replace (deferred init), or state
+   shaped for the full parameters (stepped before wrapping).
 """
 from __future__ import annotations
 
@@ -20,15 +25,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-from minishard.unit import Unit, is_inside
-
-__all__ = ["Released", "give_stand_ins", "guard_module_attributes", "set_requires_grad",
-           "mark_shards", "refuse_orphaned_params", "refuse_deepcopy"]
+__all__ = ["Released", "guard_parameters", "refuse_orphaned_params", "refuse_deepcopy"]
 
 
 class Released(torch.Tensor):
-    """What a stage-3 module attribute holds while its unit is NOT gathered (the full values do
-    not exist then). Any use raises an error naming the parameter."""
+    """What a stage-3 module attribute holds during a forward once its unit is done with it (its
+    full value is freed). Any use raises an error naming the parameter."""
 
     # What only reads metadata (shape, dtype, the empty meta storage: memory tools scanning
     # gc.get_objects() call these) is allowed; anything that needs the values raises.
@@ -51,69 +53,66 @@ class Released(torch.Tensor):
             "modules hold it); to read values outside forward, use `with model.gathered():`.")
 
 
-def give_stand_ins(unit: Unit) -> None:
-    """One :class:`Released` stand-in per parameter of ``unit`` (shown by ``unit.release``)."""
-    for param in unit.params():
-        t = torch.Tensor._make_subclass(  # the parameter's shape, no storage (meta)
-            Released, torch.empty(param.shape, dtype=param.flat.param_dtype, device="meta"))
-        t._minishard_name, t._minishard_unit = param.name, unit.name
-        param.stand_in = t
-
-
-def guard_module_attributes(module: torch.nn.Module, set_requires_grad_under) -> None:
-    """On every module of ``module``: ``requires_grad_`` calls ``set_requires_grad_under(path,
-    flag)`` (the engine, through a weak reference), and ``parameters``/``named_parameters``
-    raise an error that says what to use instead."""
-    for path, m in module.named_modules():
-        def requires_grad_(requires_grad: bool = True, _m=m, _path=path):
-            set_requires_grad_under(_path, requires_grad)
-            return _m
-
-        def refuse(*args, _path=path, **kwargs):
-            where = f"model.module.{_path}" if _path else "model.module"
-            raise RuntimeError(
-                f"{where}.parameters(): minishard.ZeRO moved this module's parameters into flat "
-                "shards, so it owns none (an empty list here would silently build empty optimizer "
-                "groups or freeze nothing). Use model.parameters() for the optimizer, "
-                "ZeRO(..., param_groups=[...]) for groups by name, "
-                f"{where}.requires_grad_(False) to freeze, and model.gathered() or "
-                "model.full_state_dict() to read the values.")
-        m.requires_grad_, m.parameters, m.named_parameters = requires_grad_, refuse, refuse
-
-
-def set_requires_grad(units: list[Unit], path: str, requires_grad: bool) -> None:
-    """``model.module.<path>.requires_grad_(flag)``: set it on the shard of every flat buffer
-    holding a parameter used under ``path``, refusing (before changing anything) when that would
-    freeze only part of a buffer, since a buffer's shard is one optimizer parameter."""
-    touched = []
+def guard_parameters(units, module: torch.nn.Module, stand_ins: bool) -> None:
+    """Guards 1 and 2 on every module of ``module`` and every user parameter of ``units``
+    (``stand_ins``: stage 3's :class:`Released`, kept on each ``Param``)."""
     for unit in units:
-        for flat in unit.flats:
-            params = list(unit.params(flat))
-            inside = [any(is_inside(place.fqn.rpartition(".")[0], path) for place in p.places)
-                      for p in params]
-            if not any(inside) or not flat.dtype.is_floating_point:
-                continue
-            if not all(inside):
-                names = [p.name for p, i in zip(params, inside) if not i]
-                raise ValueError(
-                    f"{path or 'the model'}.requires_grad_({requires_grad}): unit "
-                    f"{unit.name!r} keeps these parameters in the SAME flat buffer, outside "
-                    f"{path!r}: {names}. A flat buffer's shard is one optimizer parameter, so "
-                    "it is frozen or trained whole. Make the module a unit of its own (units="
-                    "...) when wrapping, or freeze the whole unit.")
-            touched.append(flat)
-    for flat in touched:
-        flat.shard.requires_grad_(requires_grad)
+        for param in unit.params():
+            p, flat = param.user, param.flat
+            if stand_ins:  # the parameter's shape, no storage (meta)
+                param.stand_in = torch.Tensor._make_subclass(
+                    Released, torch.empty(param.shape, dtype=flat.param_dtype, device="meta"))
+                param.stand_in._minishard_name = param.name
+                param.stand_in._minishard_unit = unit.name
+            p._minishard_slot = (flat, param.index)  # for the load hook; marks it as ours
+            p._minishard_sharded = flat.mode != "none" and flat.world > 1
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(_refuse_direct_use(param.name, unit.name))
+    for m in module.modules():
+        m.register_state_dict_pre_hook(_refuse_sharded_state_dict)
+        m.register_load_state_dict_pre_hook(_keep_my_rows)
+    _checked_optimizers.clear()  # an optimizer that stepped before this wrap: check it again
+
+
+def _refuse_sharded_state_dict(module, prefix, keep_vars) -> None:
+    sharded = [prefix + a for a, p in module._parameters.items()
+               if getattr(p, "_minishard_sharded", False)]
+    if sharded:
+        raise RuntimeError(
+            f"state_dict(): {sharded[0]!r} holds only this rank's rows (minishard.ZeRO shards "
+            "parameters along dim 0 at stages 1-3), so this state dict would not be the model. "
+            "Save with `sd = model.full_state_dict(rank0_only=True)` on EVERY rank (it gathers), "
+            "then `if rank == 0: torch.save(sd, f)`; or read full tensors inside `with "
+            "model.gathered(): sd = model.module.state_dict()`; or checkpoint with "
+            "minishard.save_checkpoint.")
+
+
+def _keep_my_rows(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` of full tensors: each rank keeps its rows of each parameter."""
+    for attr, p in module._parameters.items():
+        slot, key = getattr(p, "_minishard_slot", None), prefix + attr
+        if slot is not None and key in state_dict:
+            flat, j = slot
+            value = state_dict[key]
+            if isinstance(value, torch.Tensor) and value.shape == flat.shapes[j]:
+                state_dict[key] = flat.my_rows(j, value)
+
+
+def _refuse_direct_use(name: str, unit: str):
+    def hook(p: torch.Tensor) -> None:
+        p.grad = None
+        raise RuntimeError(
+            f"parameter {name!r} (unit {unit!r}) got a gradient directly: it was used outside "
+            "the engine's compute (a tensor kept from model.parameters() before a forward, or "
+            f"read outside the forward of {unit!r} at stage 3), so its gradient would not be "
+            "averaged over the ranks and at stages 1-3 it is only this rank's rows. Read "
+            "parameters through the module inside forward (model.parameters() then yields full "
+            "views until backward ends), or let one unit contain every module that uses it.")
+    return hook
 
 
 # ------------------------------------------------------------------- global optimizer guard
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-def mark_shards(shards) -> None:
-    """Let the optimizer guard recognise minishard's shards."""
-    for shard in shards:
-        shard._minishard_shard = True
 
 
 def refuse_orphaned_params(optimizer, args, kwargs) -> None:
@@ -126,20 +125,21 @@ def refuse_orphaned_params(optimizer, args, kwargs) -> None:
             if getattr(p, "_minishard_replaced", False):
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds a parameter of the module as it was BEFORE "
-                    "minishard.ZeRO wrapped it; ZeRO replaced those parameters by flat shards, so "
-                    "this optimizer would update tensors the model no longer uses. Build the "
+                    "minishard.ZeRO wrapped it, one ZeRO had to replace (it was on the meta "
+                    "device or another device), so this optimizer would update a tensor the model "
+                    "no longer uses. Build the "
                     "optimizer AFTER wrapping, over the wrapper: "
                     "opt = torch.optim.AdamW(zero_model.parameters(), ...)")
-    ours = any(getattr(p, "_minishard_shard", False) for g in optimizer.param_groups
-               for p in g["params"])
-    for i, group in enumerate(optimizer.param_groups):
-        if ours and not group["params"]:
-            raise ValueError(
-                f"param group {i} of the {type(optimizer).__name__} is empty, so its options "
-                "would apply to nothing. minishard's parameters are flat shards (named "
-                "flat_params.N), so groups cannot be picked by the original names after wrapping: "
-                "give them when wrapping, ZeRO(module, ..., param_groups=[{'params': [...], "
-                "'weight_decay': 0.0}, ...]), and build the optimizer over model.param_groups().")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {}) if hasattr(p, "_minishard_slot") else {}
+            if any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape
+                   for v in state.values()):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} has state shaped for the full parameters (it "
+                    "stepped before minishard.ZeRO wrapped the model), but each parameter now "
+                    "holds this rank's rows. Build the optimizer after wrapping and load its "
+                    "state with minishard.load_full_optimizer_state_dict.")
     _checked_optimizers.add(optimizer)
 
 
@@ -151,7 +151,7 @@ def refuse_deepcopy(engine, memo=None):
     and process groups would be the original's or dangle, so it is refused with the way that
     works."""
     raise TypeError(
-        "copy.deepcopy of a minishard.ZeRO model is not supported: its parameters are shards of "
+        "copy.deepcopy of a minishard.ZeRO model is not supported: its parameters are views of "
         "flat buffers bound to this engine's hooks and process groups. For an EMA or any plain "
         "copy, build the model again and load the full weights into it: "
         "sd = model.full_state_dict() (on every rank: it gathers), then "

@@ -100,23 +100,23 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def memory_report(units, shards, meters: Meters, wrap_meter: WrapMeter,
-                  optimizer=None) -> dict[str, int]:
-    """``model.memory_report(optimizer)`` (its docstring lists the keys), counted by storage;
-    ``shards``: the engine's parameters, whose optimizer state counts."""
+def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None
+                  ) -> dict[str, int]:
+    """``model.memory_report(optimizer)``: bytes held now, counted by storage: ``params``,
+    ``grads``, ``optimizer`` (its state for the user parameters); peaks of the last step:
+    ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at once
+    in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`)."""
     params = 0
-    grads: dict[int, int] = {}  # by storage: coalesced shard grads share one
+    grads: dict[int, int] = {}  # by storage: the grads of one reduced piece share one
     for unit in units:
         for f in unit.flats:
-            shares_storage = f.mode is FlatMode.VIEW or f.shard is f.full
-            params += f.full.untyped_storage().nbytes()
-            params += 0 if shares_storage else f.shard.untyped_storage().nbytes()
-            for g in (f.full.grad, f.shard.grad):
+            params += f.held_bytes()
+            for g in [f.full.grad] + [p.grad for p in f.params]:
                 if g is not None:
                     grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
     opt = 0
     if optimizer is not None:
-        mine = {id(p) for p in shards}
+        mine = {id(p) for unit in units for p in unit.shards()}
         for p, state in optimizer.state.items():
             if id(p) in mine:
                 opt += sum(v.numel() * v.element_size() for v in state.values()

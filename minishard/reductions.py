@@ -109,15 +109,16 @@ class Reducer:
             handle.wait()
         self._in_flight.clear()
         if sync_grads:
-            for flat, grad_before in unused:  # no rank used it: leave its gradient as it was
-                flat.shard.grad = grad_before
+            for flat, grads_before in unused:  # no rank used it: leave its gradients as they were
+                for p, grad in zip(flat.params, grads_before):
+                    p.grad = grad
         self._reduced.clear()
 
-    def _finish_in_order(self) -> list[tuple[FlatBuffer, torch.Tensor | None]]:
+    def _finish_in_order(self) -> list[tuple[FlatBuffer, list]]:
         """[Note: find_unused]: launch the whole fixed order, then the usage bitmap.
         Returns the flats no rank used, with their gradient before this backward."""
         order = self.launch_order()
-        before = {id(f): f.shard.grad for f in order}
+        before = {id(f): [p.grad for p in f.params] for f in order}
         for flat in order:  # zeros where this rank has no gradient (FlatBuffer.take_grad)
             self._schedule(flat)
         used = torch.tensor([id(f) in self._used for f in order], dtype=torch.uint8)

@@ -3,22 +3,21 @@
 A checkpoint is a directory. Save each step into a fresh one (``checkpoint_path(root, step)``)::
 
     ckpt/step-000002/
-        rank0-of-2.pt   rank 0's slice of every flat buffer: master values + optimizer state
-        rank1-of-2.pt   rank 1's slice
+        rank0-of-2.pt   rank 0's rows of every parameter: values + optimizer state
+        rank1-of-2.pt   rank 1's rows
         meta.pt         written LAST, by rank 0, once every rank's file is in place
 
-**The slices.** Every flat buffer (flat.py) is cut the same way, whatever the stage: with N ranks
-and k = ceil(numel / N), rank r saves the unpadded range [r*k, r*k + k) ∩ [0, numel) -- exactly
-the elements its shard Parameter holds at stages 1-3. (Stage 0 keeps the whole flat on every
-rank; rank r still saves only its range, so the files never depend on the stage.) Optimizer state
-shaped like the shard (Adam's ``exp_avg``, SGD's ``momentum_buffer``) is cut with the same ranges;
-scalar state (``step``) is copied. Loading at M ranks is then interval arithmetic::
+**The rows.** Every parameter is cut the same way, whatever the stage: with N ranks and R rows
+(dim 0), rank r saves rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N) -- exactly the rows its
+parameter holds at stages 1-3 (flat.py). (Stage 0 holds whole parameters on every rank; rank r
+still saves only its rows, so the files never depend on the stage.) Optimizer state shaped like
+the parameter (Adam's ``exp_avg``, SGD's ``momentum_buffer``) is cut with the same rows; scalar
+state (``step``) is copied. Loading at M ranks is then interval arithmetic on rows::
 
-    a flat of 14 elements     [a a a a a a b b b c c c c c]
-    saved by 4 ranks (k=4)    [0:4)   [4:8)   [8:12)  [12:14)
-    loaded by 3 ranks (k=5)   [0:5)      [5:10)       [10:14)
-    new rank 1 needs [5:10): it opens the files of old ranks 1 and 2 only, and
-    concatenates old1[1:4] (= [5:8)) and old2[0:2] (= [8:10))
+    a parameter of 10 rows    saved by 4 ranks (c=3):  [0:3) [3:6) [6:9) [9:10)
+                              loaded by 3 ranks (c=4): [0:4)   [4:8)   [8:10)
+    new rank 1 needs rows [4:8): it opens the files of old ranks 1 and 2 only, and
+    concatenates old1[1:3] (= rows 4-5) and old2[0:2] (= rows 6-7)
 
 **Hybrid sharding** (a 2-D mesh): the replicas hold identical shards, so only the first replica
 writes, one file per rank of its shard group: the files of S ranks, loadable at any world size.
@@ -52,9 +51,9 @@ import torch
 from minishard import checkpoint_files, comm
 from minishard.checkpoint_files import (FORMAT_VERSION, META, CheckpointError, atomic_save,
                                         check_checkpoint, checkpoint_path, latest_checkpoint,
-                                        saved_range, shard_file_name)
-from minishard.full_state import (full_optimizer_state_dict, group_flat_names, hyperparameters,
-                                  load_full_optimizer_state_dict, named_flats,
+                                        saved_rows, shard_file_name)
+from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
+                                  hyperparameters, load_full_optimizer_state_dict, named_params,
                                   original_parameter_names, split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
 
@@ -107,11 +106,11 @@ def _save_shards(path, model, optimizer, overwrite: bool) -> None:
         if rank == 0 and os.path.exists(meta_file):
             os.remove(meta_file)  # from here on the directory reads as incomplete
         comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: old meta removed")
-    groups = group_flat_names(model, optimizer) if optimizer is not None else None
+    groups = group_param_names(model, optimizer) if optimizer is not None else None
 
-    # 1. this rank's file: its range of every flat, master values and optimizer state.
+    # 1. this rank's file: its rows of every parameter, values and optimizer state.
     mine = {"format": FORMAT_VERSION, "rank": rank, "world_size": world,
-            "flats": _rank_slices(model, optimizer, world, rank)}
+            "params": _rank_rows(model, optimizer, world, rank)}
     error = None
     try:
         size, digest = atomic_save(mine, os.path.join(path, shard_file_name(rank, world)))
@@ -141,28 +140,36 @@ def _save_shards(path, model, optimizer, overwrite: bool) -> None:
         f"rank 0 could not write {meta_file}; {path} stays incomplete"))
 
 
-def _rank_slices(model, optimizer, world: int, rank: int) -> dict:
-    """What ``rank`` of ``world`` saves of every flat: its range of the master values and of
-    the optimizer state shaped like the shard, and the scalar state."""
-    flats = {}
-    for name, flat, _ in named_flats(model):
-        lo, hi = saved_range(flat.numel, world, rank)
-        held_lo, _ = flat.held_range()
-        cut = slice(lo - held_lo, hi - held_lo)  # stage 0 holds everything; stages 1-3, [lo, hi)
+def _held(param) -> tuple[int, int, torch.Tensor]:
+    """The rows [lo, hi) this rank's user parameter holds, and them as (rows, row numel)."""
+    flat, j = param.flat, param.index
+    lo, hi = flat.row_ranges[j]
+    return lo, hi, param.user.detach().reshape(hi - lo, flat.row_numels[j])
+
+
+def _rank_rows(model, optimizer, world: int, rank: int) -> dict:
+    """What ``rank`` of ``world`` saves of every parameter: its rows of the values and of the
+    optimizer state shaped like the parameter, and the scalar state."""
+    out = {}
+    for name, param in named_params(model):
+        lo, hi = saved_rows(param.flat.n_rows[param.index], world, rank)
+        held_lo, _, rows = _held(param)
+        cut = slice(lo - held_lo, hi - held_lo)  # stage 0 holds every row; stages 1-3, [lo, hi)
         # .clone(): torch.save of a view would write its whole underlying storage
-        entry = {"range": [lo, hi], "master": flat.shard.detach()[cut].clone()}
-        state = optimizer.state.get(flat.shard) if optimizer is not None else None
+        entry = {"rows": [lo, hi], "value": rows[cut].clone()}
+        state = optimizer.state.get(param.user) if optimizer is not None else None
         if state:
-            per_element, scalars = split_state(state, flat.shard)
-            entry["state"] = {k: v.detach()[cut].clone() for k, v in per_element.items()}
+            per_element, scalars = split_state(state, param.user)
+            entry["state"] = {k: v.detach().reshape(rows.shape)[cut].clone()
+                              for k, v in per_element.items()}
             entry["scalars"] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                 for k, v in scalars.items()}
-        flats[name] = entry
-    return flats
+        out[name] = entry
+    return out
 
 
 def _meta(model, optimizer, world: int, table: list, groups) -> dict:
-    """meta.pt: the files (size, sha256: ``table``), the flats' layout, buffers, optimizer."""
+    """meta.pt: the files (size, sha256: ``table``), the parameters, buffers, optimizer."""
     return {
         "format": FORMAT_VERSION,
         "world_size": world,
@@ -170,17 +177,19 @@ def _meta(model, optimizer, world: int, table: list, groups) -> dict:
         "files": [{"name": shard_file_name(r, world), "bytes": row[0],
                    "sha256": struct.pack("<4q", *row[1:]).hex()}
                   for r, row in enumerate(table)],
-        "flats": [{"name": name, "numel": flat.numel,
-                   "dtype": str(flat.dtype).replace("torch.", ""),
-                   "shapes": [list(s) for s in flat.shapes], "fqns": fqns,
-                   "ranges": [list(saved_range(flat.numel, world, r)) for r in range(world)]}
-                  for name, flat, fqns in named_flats(model)],
-        # after wrapping, the module's state dict holds only its buffers (identical on all
-        # ranks: ZeRO broadcast them at wrap time; the model's own code keeps them so)
-        "buffers": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "params": [{"name": name, "shape": list(param.shape),
+                    "dtype": str(param.flat.dtype).replace("torch.", ""),
+                    "fqns": [pl.fqn for pl in param.places],
+                    "n_rows": param.flat.n_rows[param.index],
+                    "rows": [list(saved_rows(param.flat.n_rows[param.index], world, r))
+                             for r in range(world)]}
+                   for name, param in named_params(model)],
+        # buffers are identical on all ranks: ZeRO broadcast them at wrap time; the model's
+        # own code keeps them so
+        "buffers": {k: v.detach().clone() for k, v in buffer_state(model.module).items()},
         "optimizer": None if optimizer is None else {
             "class": type(optimizer).__name__,
-            "param_groups": [{**hyperparameters(g), "flats": names}
+            "param_groups": [{**hyperparameters(g), "names": names}
                              for g, names in zip(optimizer.param_groups, groups)]},
     }
 
@@ -188,12 +197,9 @@ def _meta(model, optimizer, world: int, table: list, groups) -> dict:
 # ------------------------------------------------------------------------------------- load
 def _check_same_model(path: str, meta: dict, model) -> None:
     """Refuse a checkpoint of another model, naming the first differences."""
-    def shapes(flats):
-        return {fqn: tuple(shape) for f in flats for shape, names in zip(f["shapes"], f["fqns"])
-                for fqn in names}
-    ours = [{"name": n, "numel": f.numel, "shapes": [list(s) for s in f.shapes], "fqns": q}
-            for n, f, q in named_flats(model)]
-    saved, mine = shapes(meta["flats"]), shapes(ours)
+    saved = {fqn: tuple(p["shape"]) for p in meta["params"] for fqn in p["fqns"]}
+    mine = {pl.fqn: tuple(param.shape) for _, param in named_params(model)
+            for pl in param.places}
     problems = []
     missing = [k for k in mine if k not in saved]
     unexpected = [k for k in saved if k not in mine]
@@ -205,7 +211,7 @@ def _check_same_model(path: str, meta: dict, model) -> None:
         problems.append(f"parameters the model does not have {unexpected}")
     if wrong:
         problems.append(f"shapes differ: {'; '.join(wrong)}")
-    buffers = model.module.state_dict()
+    buffers = buffer_state(model.module)
     saved_buffers = meta["buffers"]
     if set(buffers) != set(saved_buffers):
         problems.append(f"buffers differ: checkpoint {sorted(saved_buffers)}, model {sorted(buffers)}")
@@ -216,13 +222,11 @@ def _check_same_model(path: str, meta: dict, model) -> None:
     if problems:
         raise CheckpointError(f"checkpoint at {path} was saved from a different model: "
                               + "; ".join(problems) + ". Load it into the model it was saved from.")
-    layout = [(f["name"], f["numel"], f["fqns"]) for f in meta["flats"]]
-    if layout != [(f["name"], f["numel"], f["fqns"]) for f in ours]:
+    names = [p["name"] for p in meta["params"]]
+    if sorted(names) != sorted(name for name, _ in named_params(model)):
         raise CheckpointError(
-            f"checkpoint at {path} has the same parameters but grouped into other flat buffers "
-            f"(checkpoint {[f['name'] for f in meta['flats']]}, model "
-            f"{[f['name'] for f in ours]}): wrap the model with the same units= and parameter "
-            "dtypes, or go through model.full_state_dict() / full_optimizer_state_dict().")
+            f"checkpoint at {path} names its tied parameters differently ({names}); load it "
+            "into the model it was saved from, or go through model.full_state_dict().")
 
 
 def _check_same_optimizer(path: str, meta: dict, model, optimizer) -> list[dict]:
@@ -234,10 +238,10 @@ def _check_same_optimizer(path: str, meta: dict, model, optimizer) -> list[dict]
     if saved["class"] != type(optimizer).__name__:
         raise CheckpointError(f"checkpoint at {path} holds {saved['class']} state, but the "
                               f"optimizer is a {type(optimizer).__name__}")
-    groups = group_flat_names(model, optimizer)
-    saved_groups = [g["flats"] for g in saved["param_groups"]]
+    groups = group_param_names(model, optimizer)
+    saved_groups = [g["names"] for g in saved["param_groups"]]
     if groups != saved_groups:
-        raise CheckpointError(f"checkpoint at {path}: the optimizer's param groups hold the flats "
+        raise CheckpointError(f"checkpoint at {path}: the optimizer's param groups hold "
                               f"{groups}, the saved ones held {saved_groups}; build the optimizer "
                               "with the same param groups")
     return saved["param_groups"]
@@ -248,9 +252,9 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     (built over ``model.parameters()``, as for training). Returns the checkpoint's metadata.
 
     Collective. The world size and the stage may differ from the saving run's: each rank works
-    out which unpadded range of each flat its shard holds now, opens only the old ranks' files
-    that overlap it, and concatenates the overlapping pieces of the master values and of the
-    optimizer state (see the module docstring). Every check happens before anything changes: if
+    out which rows of each parameter it holds now, opens only the old ranks' files that overlap
+    them, and concatenates the overlapping rows of the values and of the optimizer state (see
+    the module docstring). Every check happens before anything changes: if
     any rank cannot load, all ranks raise and the model and optimizer are left as they were.
     """
     path, group = os.fspath(path), model.group
@@ -262,13 +266,13 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
                         if optimizer is not None else None)
         reader = _ShardFiles(path, meta)
         masters, states = [], {}
-        for name, flat, _ in named_flats(model):
-            values, state = _assemble(name, flat, meta, reader)
-            masters.append((flat, values))
+        for name, param in named_params(model):
+            values, state = _assemble(name, param, meta, reader)
+            masters.append((param.user, values))
             if state is not None:
-                states[id(flat.shard)] = state
+                states[id(param.user)] = state
         optim_sd = None if not optimizer else torch_optimizer_state(
-            ({k: v for k, v in saved.items() if k != "flats"},
+            ({k: v for k, v in saved.items() if k != "names"},
              [states.get(id(p)) for p in group["params"]])
             for group, saved in zip(optimizer.param_groups, saved_groups))
     except Exception as exc:  # still join the all-reduce below, or the other ranks would hang
@@ -279,12 +283,13 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
                        f"another rank could not load {path} (its error names the problem); "
                        "nothing was loaded"))
 
-    # Everything checked: now change the model. Writing the shard bumps its version, so the next
-    # forward would re-gather the full parameters anyway (flat.py: is_stale).
+    # Everything checked: now change the model. Writing a parameter bumps its version, so the
+    # next forward would re-gather the full parameters anyway (flat.py: is_stale).
     with torch.no_grad():
-        for flat, values in masters:
-            flat.shard.copy_(values.to(flat.dtype).reshape(flat.shard.shape))
-    model.module.load_state_dict(meta["buffers"], strict=False)  # keys checked above
+        for p, values in masters:
+            p.copy_(values.to(p.dtype).reshape(p.shape))
+        for name, buf in buffer_state(model.module).items():  # keys checked above
+            buf.copy_(meta["buffers"][name])
     if optimizer is not None:
         optimizer.load_state_dict(optim_sd)
     model.refresh_full_params()  # stages 0-2 re-gather, one unit at a time; stage 3 when it runs
@@ -310,34 +315,36 @@ class _ShardFiles:
         return self.loaded[r]
 
 
-def _assemble(name: str, flat, meta: dict, files: _ShardFiles):
-    """This rank's range [lo, hi) of one flat, cut out of the old ranks' files that overlap it:
-    (master values, optimizer state of the shard or None)."""
-    lo, hi = flat.held_range()
-    ranges = next(f["ranges"] for f in meta["flats"] if f["name"] == name)
-    sources = [r for r, (a, b) in enumerate(ranges) if a < hi and lo < b]
-    # An empty shard (more ranks than elements) has no range to read but still needs the scalar
+def _assemble(name: str, param, meta: dict, files: _ShardFiles):
+    """This rank's rows [lo, hi) of one parameter, cut out of the old ranks' files that overlap
+    them: (values, optimizer state shaped like the user parameter, or None)."""
+    lo, hi, held = _held(param)
+    shape = param.user.shape
+    rows = next(p["rows"] for p in meta["params"] if p["name"] == name)
+    sources = [r for r, (a, b) in enumerate(rows) if a < hi and lo < b]
+    # An empty shard (more ranks than rows) has no rows to read but still needs the scalar
     # state (Adam's step): take it from old rank 0, cutting an empty piece.
     sources = sources or [0]
     pieces, state_pieces, scalars, with_state = [], {}, {}, []
     for r in sources:
-        a, b = ranges[r]
+        a, b = rows[r]
         cut = slice(max(lo, a) - a, min(hi, b) - a)  # [lo, hi) ∩ [a, b), relative to a
-        entry = files[r]["flats"][name]
-        pieces.append(entry["master"][cut])
+        entry = files[r]["params"][name]
+        pieces.append(entry["value"][cut])
         if "state" in entry:
             with_state.append(r)
             scalars = entry["scalars"]
             for key, t in entry["state"].items():
                 state_pieces.setdefault(key, []).append(t[cut])
     values = torch.cat(pieces)
-    if values.numel() != hi - lo:
-        raise CheckpointError(f"flat {name!r}: assembled {values.numel()} elements for [{lo}, "
-                              f"{hi}) from {files.path}; the checkpoint is inconsistent")
+    if values.shape != held.shape:
+        raise CheckpointError(f"parameter {name!r}: assembled {tuple(values.shape)} for rows "
+                              f"[{lo}, {hi}) from {files.path}; the checkpoint is inconsistent")
     if not with_state:
         return values, None
     if with_state != sources:
-        raise CheckpointError(f"flat {name!r}: old ranks {sources} hold this rank's range, but "
-                              f"only {with_state} saved optimizer state; the checkpoint is "
+        raise CheckpointError(f"parameter {name!r}: old ranks {sources} hold this rank's rows, "
+                              f"but only {with_state} saved optimizer state; the checkpoint is "
                               "inconsistent")
-    return values, {**scalars, **{k: torch.cat(v) for k, v in state_pieces.items()}}
+    return values, {**scalars, **{k: torch.cat(v).reshape(shape)
+                                  for k, v in state_pieces.items()}}

@@ -5,10 +5,14 @@ one unit; flat.py says HOW the bytes move. A unit's work, by event:
 
     gather         every flat buffer that is freed or stale all-gathers its shards into ``full``
     show_full      every place a parameter appears now holds its view of ``full``
-    release        (stage 3) ``full``'s storage is freed; every place holds a stand-in that
-                   raises when used (guards.py), since the values no longer exist
+    show_rest      every place holds the user parameter again: this rank's shard of it (the
+                   whole parameter at stage 0), what ``named_parameters()`` gives between steps
+    release        (stage 3) ``full``'s storage is freed, and the places show the rest state
     gradients      one hook per trainable flat buffer fires when autograd has summed the views'
                    gradients into ``full.grad``: the engine reduces it (reductions.py)
+
+A place is the module's own ``_parameters`` entry: it holds the user parameter at rest and a
+view of ``full`` (a plain tensor, as FSDP1 shows its original parameters) while the unit computes.
 
 A parameter may appear in several places: tied weights (``head.weight is emb.weight``) and one
 module object reachable by two paths. It lives ONCE in a flat buffer; each appearance is a
@@ -38,12 +42,16 @@ class Place:
 
 @dataclasses.dataclass
 class Param:
-    """One parameter of a unit: its flat buffer, its index there, every place it appears, and
-    the stand-in its places hold while the unit is released (stage 3; set by guards.py)."""
+    """One parameter of a unit: its flat buffer, its index there, every place it appears."""
     flat: FlatBuffer
     index: int
     places: list[Place]
-    stand_in: torch.Tensor | None = None
+    stand_in: torch.Tensor | None = None  # stage 3: shown once a forward is done with it
+
+    @property
+    def user(self) -> torch.nn.Parameter:
+        """The module's own parameter object: this rank's rows of it (all of it at stage 0)."""
+        return self.flat.params[self.index]
 
     @property
     def name(self) -> str:
@@ -83,22 +91,21 @@ class Unit:
 
     # ------------------------------------------------------------------------- the optimizer
     def shards(self) -> list[nn.Parameter]:
-        """What the optimizer steps: one shard per flat buffer."""
-        return [flat.shard for flat in self.flats]
+        """What the optimizer steps: the user parameters, in buffer order."""
+        return [p for flat in self.flats for p in flat.params]
 
     def shard_grads(self) -> list[torch.Tensor]:
-        return [flat.shard.grad for flat in self.flats if flat.shard.grad is not None]
+        return [p.grad for p in self.shards() if p.grad is not None]
 
     def has_frozen(self) -> bool:
         return any(not flat.requires_grad for flat in self.flats)
 
     def sync_requires_grad(self, hook_for: Callable[[int], Callable]) -> None:
-        """The shard's ``requires_grad`` is the truth (the user may freeze through the original
-        names, ``model.requires_grad_()`` or the shards): bring each flat buffer in line, and
-        give buffer j the gradient hook ``hook_for(j)`` the first time it is trainable."""
+        """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
+        ``requires_grad_`` on them or on a module): bring each flat buffer in line, and give
+        buffer j the gradient hook ``hook_for(j)`` the first time it is trainable."""
         for j, flat in enumerate(self.flats):
-            if flat.requires_grad != flat.shard.requires_grad:
-                flat.set_requires_grad(flat.shard.requires_grad)
+            flat.sync_requires_grad()
             if flat.requires_grad and j not in self._hooked:
                 self._hooked.add(j)
                 flat.full.register_post_accumulate_grad_hook(hook_for(j))
@@ -131,26 +138,32 @@ class Unit:
     def show_full(self, detached: bool = False) -> None:
         """Point every place at its parameter's view of ``full`` (``detached``: between steps,
         outside autograd)."""
-        self.views = [flat.views() if not detached else flat.detached_views()
-                      for flat in self.flats]
+        self.views = [flat.views(detached) for flat in self.flats]
         self.show_again()
 
     def show_again(self) -> None:
-        """Show the views made by the last :meth:`show_full` again (after stand-ins replaced
+        """Show the views made by the last :meth:`show_full` again (after the shards replaced
         them): the same tensors, so a recomputation in backward joins the forward's graph."""
         for flat, views in zip(self.flats, self.views):
             self.show(flat, views)
 
     def show(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
-        """Point every place of ``flat``'s parameter j at ``values[j]``."""
+        """Point every place of ``flat``'s parameter j at ``values[j]`` (the module's own
+        ``_parameters`` entry: a view is not an ``nn.Parameter``, so setattr would refuse it)."""
         for param, value in zip(self.params(flat), values):
             for place in param.places:
-                setattr(place.module, place.attr, value)
+                place.module._parameters[place.attr] = value
+
+    def show_rest(self) -> None:
+        """Every place holds its user parameter again (between steps)."""
+        for flat in self.flats:
+            self.show(flat, flat.params)
 
     # ----------------------------------------------------------------------------- release
     def release(self, on_free: Callable | None = None, j: int | None = None) -> None:
         """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``), calling
-        ``on_free(unit)`` after each one freed, and show the stand-ins in its places."""
+        ``on_free(unit)`` after each one freed, and show the stand-ins (guards.Released) until
+        :meth:`show_rest`."""
         for k, flat in enumerate(self.flats):
             if j is None or k == j:
                 self._release_flat(flat, on_free)
@@ -166,4 +179,5 @@ class Unit:
             flat.free()
             if on_free is not None:
                 on_free(self)
-        self.show(flat, [param.stand_in for param in self.params(flat)])
+        self.show(flat, [p.stand_in if p.stand_in is not None else p.user
+                         for p in self.params(flat)])

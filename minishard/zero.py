@@ -1,16 +1,17 @@
 """The ZeRO engine: one machine, four stages. Start reading here.
 
-A *unit* is a module whose parameters (minus those of nested units) live in flat buffers
-(flat.py: one per dtype/requires_grad). The user builds an ordinary torch optimizer over
-``model.parameters()``, which are this rank's *shards* of those buffers. The four stages differ
+A *unit* is a module whose parameters (minus those of nested units) communicate through flat
+buffers (flat.py: one per dtype/requires_grad). The module keeps its own parameters, each holding
+this rank's rows of it (FSDP2's cut along dim 0); the user builds an ordinary torch optimizer
+over ``model.parameters()``, by name or shape as for the unwrapped model. The four stages differ
 only in WHEN full tensors exist and WHEN gradients are reduced; that is the table ``STAGES``
 below, and nothing else:
 
-    stage  full params live         full grads live             grads reduced (avg)           optimizer sees
-    0      always (DDP)             until the step              all-reduce                    the full flat
-    1      always                   until the end of backward   reduce-scatter                its shard
-    2      always                   per unit, until reduced     reduce-scatter                its shard
-    3      while the unit computes  per unit, until reduced     reduce-scatter                its shard
+    stage  full params live         full grads live             grads reduced (avg)      optimizer sees
+    0      always (DDP)             until the step              all-reduce               full params
+    1      always                   until the end of backward   reduce-scatter           its rows
+    2      always                   per unit, until reduced     reduce-scatter           its rows
+    3      while the unit computes  per unit, until reduced     reduce-scatter           its rows
 
 After the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
 buffers lazily: the next forward (or ``gathered()``, or a state dict) notices that a shard changed.
@@ -19,10 +20,11 @@ The life of one stage-3 unit in one step, and what implements each event (ZeRO's
 Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
 
     pre-forward gather    all_gather shards -> full; the       _pre_forward: Gatherer.gather,
-                          module's attributes become views      Unit.show_full
+                          module's parameters become views      Unit.show_full
     prefetch              the next unit's all_gather, async     Gatherer.look_ahead
     forward               the module's own code, unchanged
-    post-forward free     free full (storage resized to 0)      _post_forward: Unit.release
+    post-forward free     free full; the parameters show the    _post_forward: Unit.release
+                          shards again
     pre-backward gather   all_gather again when the gradient    _pre_backward: Gatherer.gather,
                           reaches the unit's outputs            Unit.show_again
     backward              autograd sums the views' grads into full.grad (one flat gradient)
@@ -38,15 +40,14 @@ unit only SOME ranks used is reduced with zeros from the others, in an order eve
 reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
 
-[Note: buckets] Every stage launches a unit's reduction as soon as autograd has finished that
-unit's gradient (find_unused: at the end, reductions.py), overlapping the rest of backward. Stages 0-1 keep every full gradient until the
-end of backward anyway, so they coalesce ready ones into collectives of about
-``config.BUCKET_BYTES`` (4 MiB, as DDP's buckets) and wait for all at the end. Stages 2-3 launch
-each unit's at once and keep at most two in flight, freeing full gradients early; with
-``bucket_bytes`` they coalesce up to that many bytes, and stage 3 gathers consecutive units in
-one collective (once the order is known). Stages 1-2 coalesce their lazy re-gathers into about
-``config.BUCKET_BYTES``, two in flight. A bucket costs memory (full parameters, gradients, a
-staging buffer) and saves per-call cost: ~0.8 ms of CPU per gloo collective (bench/RESULTS.md).
+[Note: buckets] A unit's reduction launches as soon as autograd has finished its gradient
+(find_unused: at the end, reductions.py), overlapping the rest of backward. Stages 0-1 keep
+every full gradient to the end of backward anyway, so they coalesce ready ones into collectives
+of about ``config.BUCKET_BYTES`` (4 MiB, as DDP's buckets). Stages 2-3 launch each unit's at
+once, at most two in flight, freeing full gradients early; ``bucket_bytes`` coalesces up to that
+many bytes, and stage 3 gathers consecutive units in one collective (once the order is known).
+Stages 1-2 coalesce lazy re-gathers into about ``config.BUCKET_BYTES``. A bucket costs memory
+and saves per-call cost: ~0.8 ms of CPU per gloo collective (bench/RESULTS.md).
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
@@ -132,12 +133,14 @@ class ZeRO(trace.Traced, nn.Module):
     ``device`` and ``param_init_fn`` (a module built on the meta device is materialised one
     module at a time: deferred_init.py).
 
-    Build the optimizer AFTER wrapping, over ``model.parameters()`` (the shards) or
-    ``model.param_groups()``. A flat buffer's shard is ONE optimizer parameter: a submodule
-    skipped inside a unit whose other parameters got gradients gets zeros, which momentum, Adam
-    and weight decay act on (as FSDP1's flat parameters): make it a unit of its own. A whole
-    unit no rank used keeps ``grad=None``. Freezing: ``model.module.block.requires_grad_(False)``
-    or ``shard.requires_grad_(False)``, whole flat buffers (part of one is refused).
+    ``model.named_parameters()`` are the module's own parameters (``module.`` prefixed, as
+    DDP's): whole at stage 0, this rank's rows at stages 1-3 (flat.py). Build the optimizer over
+    them, by name or ``p.dim()`` as for the unwrapped model (one built before wrapping holds the
+    same objects). While units compute they show views of the full parameters. A parameter
+    skipped inside a unit whose others got gradients gets zeros (one flat gradient per unit, as
+    FSDP1): make it a unit of its own; a unit no rank used keeps ``grad=None``.
+    ``requires_grad_(False)`` on any parameter or module freezes exactly that.
+    ``model.module.state_dict()`` of shards raises: use ``full_state_dict()`` or ``gathered()``.
     """
     __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
 
@@ -168,14 +171,12 @@ class ZeRO(trace.Traced, nn.Module):
                                  param_dtype=mp.param_dtype, group_of=group_of, device=device,
                                  param_init_fn=param_init_fn, meter=self._wrap_meter)
         cast_buffers(module, mp.buffer_dtype)
-        self.flat_params = nn.ParameterList([s for unit in self.units for s in unit.shards()])
-        guards.mark_shards(self.flat_params)
+        guards.guard_parameters(self.units, module, stand_ins=self.policy.free_after_forward)
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
                                                   with_kwargs=True)
             unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
         self._sync_requires_grad()
-        guards.guard_module_attributes(module, _weak_hook(self, ZeRO._set_requires_grad))
         self._meters = Meters(self.units)
         self._gathers = Gatherer(self.units, self._meters,
                                  free_after_forward=policy.free_after_forward,
@@ -187,9 +188,7 @@ class ZeRO(trace.Traced, nn.Module):
                                 log=self._meters.log)
         self._pass, self._sync_grads = Pass.FORWARD, True  # see _start_backward, no_sync()
         for unit in self.units:     # stage 3 starts sharded; the others keep full params
-            guards.give_stand_ins(unit)
-            if policy.free_after_forward:
-                self._release(unit)
+            self._put_back(unit)
         self.refresh_full_params()  # deferred init filled only an OWN buffer's shard
         self._meters.note_gathered()
 
@@ -203,6 +202,8 @@ class ZeRO(trace.Traced, nn.Module):
             self._sync_requires_grad()
             if not self.policy.free_after_forward:
                 self._gathers.refresh_stale()
+                for other in self.units:  # full views everywhere until backward ends
+                    other.show_full()
         self._gathers.record(unit)
         self._gathers.gather(unit, Pass.FORWARD)
         unit.show_full()
@@ -223,6 +224,8 @@ class ZeRO(trace.Traced, nn.Module):
         unit = self.units[i]
         if unit.module is self.module:
             self._gathers.order_recorded = True
+            if not torch.is_grad_enabled() and not self.policy.free_after_forward:
+                self._show_rest()  # no backward follows
         if torch.is_grad_enabled():
             outputs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for t in outputs:
@@ -230,7 +233,9 @@ class ZeRO(trace.Traced, nn.Module):
                     t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
         # During backward (activation-checkpoint recomputation) the params are still needed.
         if self.policy.free_after_forward and self._pass is not Pass.BACKWARD:
-            self._release(unit)
+            self._release(unit)  # stand-ins: a read by another unit's forward is named
+            if unit.module is self.module:
+                self._show_rest()  # the forward is over: the user parameters again
 
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
@@ -255,7 +260,6 @@ class ZeRO(trace.Traced, nn.Module):
         self.units[i].release_frozen(self._meters.on_free)
 
     def _release(self, unit: Unit) -> None:
-        """Stage 3: free full storage; the module's attributes become stand-ins (guards.py)."""
         unit.release(self._meters.on_free)
 
     def _start_backward(self) -> None:
@@ -271,23 +275,23 @@ class ZeRO(trace.Traced, nn.Module):
         if self.policy.free_after_forward:
             for unit in self.units:
                 self._release(unit)
+        self._show_rest()
         self._pass = Pass.FORWARD
+
+    def _show_rest(self) -> None:
+        for unit in self.units:
+            unit.show_rest()
 
     def _sync_requires_grad(self) -> None:
         for i, unit in enumerate(self.units):
             unit.sync_requires_grad(lambda j, i=i: _weak_hook(self, ZeRO._post_backward, i, j))
-
-    def _set_requires_grad(self, path: str, requires_grad: bool) -> None:
-        guards.set_requires_grad(self.units, path, requires_grad)
-        self._sync_requires_grad()
 
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def param_groups(self) -> list[dict]:
-        """The ``param_groups=`` given when wrapping, over the shards (each flat buffer belongs to
-        exactly one group): ``torch.optim.AdamW(model.param_groups(), lr=...)``."""
+        """The ``param_groups=`` given when wrapping, over the user parameters (for old code)."""
         return shard_param_groups(self.units, self._group_options)
 
     @contextlib.contextmanager
@@ -316,7 +320,7 @@ class ZeRO(trace.Traced, nn.Module):
         """
         norm_type = float(norm_type)
         grads = [g for unit in self.units for g in unit.shard_grads()]
-        device = grads[0].device if grads else self.flat_params[0].device
+        device = grads[0].device if grads else next(self.parameters(), torch.empty(0)).device
         if norm_type == float("inf"):
             local = max((g.abs().max().double() for g in grads if g.numel()),
                         default=torch.zeros((), dtype=torch.float64, device=device))
@@ -337,8 +341,8 @@ class ZeRO(trace.Traced, nn.Module):
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
         """Full parameters visible on every rank inside the block (like FSDP's
-        ``summon_full_params``), in the master dtype. With ``writeback``, edits to them are
-        kept. Without it, stage 3 drops them; stages 0-2 keep them all the same (when not under
+        ``summon_full_params``), in the master dtype, under ``torch.no_grad()``. With
+        ``writeback``, edits to them are kept. Without it, stage 3 drops them; stages 0-2 keep them all the same (when not under
         mixed precision): there the full parameters share storage with the shards. Under mixed
         precision the block shows the fp32 masters gathered from the shards, and writes back
         only a shard that was edited: the block never rounds the master weights."""
@@ -346,11 +350,10 @@ class ZeRO(trace.Traced, nn.Module):
             yield self.module
 
     def _put_back(self, unit: Unit) -> None:
-        """What a unit shows between steps: stage 3 stand-ins, else its full buffers, detached."""
+        """What a unit shows between steps: its user parameters (stage 3 frees full)."""
         if self.policy.free_after_forward:
             self._release(unit)
-        else:
-            unit.show_full(detached=True)
+        unit.show_rest()
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank.
@@ -379,7 +382,6 @@ class ZeRO(trace.Traced, nn.Module):
         for unit in self.units:
             if not self.policy.free_after_forward:
                 unit.gather(on_gather=self._meters.on_gather)
-                unit.show_full(detached=True)
 
     def record_events(self):
         """A context manager yielding the list of what the engine does per unit, in order
@@ -392,9 +394,6 @@ class ZeRO(trace.Traced, nn.Module):
     peak_full_grad_bytes = property(lambda self: self._meters.peak_full_grad_bytes)
 
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now, by kind (``params``, ``grads``, ``optimizer``: pass the
-        optimizer to count its state for our shards); peaks of the last step:
-        ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at
-        once in backward); ``peak_wrapping`` (while wrapping: meters.py, WrapMeter)."""
-        return memory_report(self.units, self.parameters(), self._meters, self._wrap_meter,
-                             optimizer)
+        """Bytes this rank holds now by kind (``params``, ``grads``, ``optimizer``: its state
+        for our shards), and the peaks of the last step (meters.py)."""
+        return memory_report(self.units, self._meters, self._wrap_meter, optimizer)

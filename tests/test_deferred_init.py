@@ -394,15 +394,16 @@ def wrap_peak(dims, stage, meta):
 @given(dims=st.lists(st.integers(1, 40), min_size=2, max_size=6),
        stage=st.sampled_from(STAGES), world=st.sampled_from(WORLD_SIZES))
 def test_wrapping_peak_is_shards_plus_one_unit(pools, dims, stage, world):
-    """fp32, 4 bytes an element; unit u = one Linear of n_u = i*o + o elements, k_u =
-    ceil(n_u / N) per rank, padded to N*k_u. What the stage keeps per unit: stage 0 n_u (no
+    """fp32, 4 bytes an element; unit u = one Linear of n_u = i*o + o elements; each of its
+    parameters is cut on dim 0 (o rows) into N chunks of ceil(o / N) rows, so a rank holds
+    k_u = ceil(o / N) * (i + 1) elements (weight rows of i, bias rows of 1), padded: N*k_u. What the stage keeps per unit: stage 0 n_u (no
     padding), 1-2 N*k_u (the full buffer), 3 k_u (the shard). A meta build lays every kept
     buffer out first (stage 3 also allocates each unit's full buffer and frees it at once), then
     materialises one Linear at a time: peak = kept + the largest layer, or the layout's moment.
     An eager build starts from the whole model."""
     n = world
     numels = [i * o + o for i, o in zip(dims, dims[1:])]
-    ks = [math.ceil(x / n) for x in numels]
+    ks = [math.ceil(o / n) * (i + 1) for i, o in zip(dims, dims[1:])]
     kept = [x if stage == 0 else k * n if stage in (1, 2) else k for x, k in zip(numels, ks)]
     walk = sum(kept) + max(numels)
     layout = max(sum(kept[:u + 1]) + ks[u] * n for u in range(len(numels))) if stage == 3 else 0

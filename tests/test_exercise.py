@@ -4,7 +4,8 @@ known-wrong versions, each at the example and with the hint a learner needs.
 The reference solutions below are thin adapters over the library (SyncBatchNormFunction.backward,
 FlatBuffer, flat.reduce_grads, ZeRO.clip_grad_norm_) or, for the ring, the algorithm of tutorial
 01 with tensor_split; the known-wrong ones are the classic mistakes: SUM instead of AVG, a
-missing 1/n term, local sums not all-reduced, wrong shard offsets, clipping without min(1, .);
+missing 1/n term, local sums not all-reduced, a shard layout that cuts the concatenation of the
+parameters (FSDP1's, the old one) or floors the rows per chunk, clipping without min(1, .);
 and four that get the numbers right where the checker used to look (2 and 3 ranks, integer
 inputs, numbers only) and break the contract: a shard layout and a slicing bug that show only
 at 4 ranks, a SyncBN backward with two all-reduces, a ring whose ranks end with different bits.
@@ -12,6 +13,7 @@ Functions are module-level: the ranks import them by reference.
 """
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -58,20 +60,22 @@ def syncbn_reference(dy, x, mean, invstd, weight, n, all_reduce):
     return SyncBatchNormFunction.backward(ctx, dy)[:3]
 
 
-def layout_reference(numels, world, rank):
+def layout_reference(shapes, world, rank):
     """FlatBuffer's own layout (its world and rank are the pool's: the same as given)."""
-    flat = FlatBuffer([torch.zeros(n) for n in numels], mode="own")
+    flat = FlatBuffer([torch.zeros(s) for s in shapes], mode="own")
     assert (flat.world, flat.rank) == (world, rank)
-    return flat.padded_numel, flat.shard_start, flat.shard_real
+    return flat.row_ranges, flat.widths, flat.shard_numel
 
 
 def reduce_reference(full_grad, numel, world, rank, reduce_scatter):
-    """flat.reduce_grads, the reduction stages 2 and 3 run in backward."""
-    flat = FlatBuffer([torch.zeros(numel, dtype=full_grad.dtype, requires_grad=True)],
-                      mode="view")
+    """flat.reduce_grads, the reduction stages 2 and 3 run in backward, into the user
+    parameter's .grad (this rank's rows of it)."""
+    param = nn.Parameter(torch.zeros(numel, dtype=full_grad.dtype))
+    flat = FlatBuffer([param], mode="view")
+    flat.adopt([param])
     flat.full.grad = full_grad.clone()
     reduce_grads([flat]).wait()
-    return flat.shard.grad
+    return param.grad
 
 
 class _Leaf(nn.Module):
@@ -84,7 +88,7 @@ def clip_reference(grads, max_norm, all_reduce):
     """ZeRO.clip_grad_norm_ on an engine whose shard gradients are these."""
     numels = [_full_numel(g, i) for i, g in enumerate(grads)]
     model = minishard.ZeRO(nn.ModuleList([_Leaf(n) for n in numels]), stage=2, units={_Leaf})
-    shards = [f.shard for u in model.units for f in u.flats]
+    shards = list(model.parameters())  # the user parameters: this rank's rows of each
     for shard, g in zip(shards, grads):
         shard.grad = g.clone()
     total = model.clip_grad_norm_(max_norm)
@@ -163,26 +167,58 @@ def syncbn_written_out(dy, x, mean, invstd, weight, n, all_reduce):
     return _bn(dy, x, mean, invstd, weight, n, all_reduce)
 
 
-def layout_floor_division(numels, world, rank):
-    k = sum(numels) // world  # forgets the padding: the last elements belong to nobody
-    return k * world, rank * k, k
+def _rows_and_row_numels(shapes):
+    return [s[0] if len(s) else 1 for s in shapes], [math.prod(s[1:]) for s in shapes]
 
 
-def layout_wrong_offsets(numels, world, rank):
-    total = sum(numels)
-    k = -(-total // world)
-    start = rank * total // world  # spreads the REAL elements: not where the equal pieces start
-    return k * world, start, max(0, min(k, total - start))
+def layout_written_out(shapes, world, rank, *, c_of=lambda r, n: -(-r // n), rows_of=None):
+    """A learner's plain answer (ceil, clamped ranges), with knobs for the classic mistakes."""
+    n_rows, row_numels = _rows_and_row_numels(shapes)
+    cs = [c_of(r, world) for r in n_rows]
+    rows = [(rows_of or _clamped)(r, c, rank) for r, c in zip(n_rows, cs)]
+    widths = [c * m for c, m in zip(cs, row_numels)]
+    return rows, widths, sum(widths)
 
 
-def layout_remainder_on_partial_piece(numels, world, rank):
-    """A piece that is not full gets total % k real elements: right for the piece holding the
-    end of the parameters, wrong for a piece of padding only, which first happens at 4 ranks
-    (total 5: k = 2, rank 3 holds [6, 8), 0 real, not 5 % 2 = 1)."""
-    total = sum(numels)
-    k = -(-total // world)
-    start = rank * k
-    return k * world, start, k if start + k <= total else total % k
+def _clamped(n_rows, c, rank):
+    return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
+
+
+def layout_floor_division(shapes, world, rank):
+    """floor(R/N) rows a chunk: the last rows belong to nobody."""
+    return layout_written_out(shapes, world, rank, c_of=lambda r, n: r // n)
+
+
+def layout_cuts_concatenation(shapes, world, rank):
+    """The OLD layout (FSDP1): the concatenation padded at its end and cut into N pieces of
+    ceil(total/N) elements; each parameter's part of this rank's piece given in elements, the
+    padding counted with the last. (Right for one 1-D parameter: there both layouts agree.)"""
+    numels = [math.prod(s) for s in shapes]
+    k = -(-sum(numels) // world)
+    lo, rows, widths, start = rank * k, [], [], 0
+    for n in numels:
+        a, b = min(max(lo - start, 0), n), min(max(lo + k - start, 0), n)
+        rows.append((a, b))
+        widths.append(b - a)
+        start += n
+    widths[-1] += k - sum(widths)
+    return rows, widths, k
+
+
+def layout_start_not_clamped(shapes, world, rank):
+    """Clamps the end of a rank's rows but not the start: (r·c, R) past the last row."""
+    return layout_written_out(shapes, world, rank,
+                              rows_of=lambda r, c, rank: (rank * c, min((rank + 1) * c, r)))
+
+
+def layout_remainder_on_partial_chunk(shapes, world, rank):
+    """A chunk that is not full gets R % c rows: right for the chunk holding the last row, wrong
+    for a rank past it, which first happens at 4 ranks (R = 5: c = 2, rank 3 gets (5, 6), 5 % 2
+    = 1 row, not none)."""
+    def rows_of(r, c, rank):
+        lo = min(rank * c, r)
+        return lo, lo + (c if (rank + 1) * c <= r else r % c)
+    return layout_written_out(shapes, world, rank, rows_of=rows_of)
 
 
 def reduce_slice_not_clamped(full_grad, numel, world, rank, reduce_scatter):
@@ -245,6 +281,7 @@ def test_checker_passes_minishards_own_code(pools, name):
 
 def test_checker_passes_a_plain_written_out_answer(pools):
     assert check("syncbn_backward", syncbn_written_out, pools, WORLDS, FEW) is None
+    assert check("shard_layout", layout_written_out, pools, WORLDS, FEW) is None
 
 
 @pytest.mark.parametrize("name, wrong, what, hint", [
@@ -252,13 +289,14 @@ def test_checker_passes_a_plain_written_out_answer(pools):
     ("ring_all_reduce", ring_without_gather_phase, "the sum over ranks", "exactly once"),
     ("syncbn_backward", syncbn_missing_1_over_n, "dx", "x̂·B/n"),
     ("syncbn_backward", syncbn_local_sums, "dx", "summed over ALL ranks"),
-    ("shard_layout", layout_floor_division, "(padded_numel", "smallest multiple of N"),
-    ("shard_layout", layout_wrong_offsets, "(padded_numel", "shard_start is wrong"),
+    ("shard_layout", layout_floor_division, "(rows, widths, k)", "floor(R/N)"),
+    ("shard_layout", layout_cuts_concatenation, "(rows, widths, k)", "CONCATENATION"),
+    ("shard_layout", layout_start_not_clamped, "(rows, widths, k)", "NO rows"),
     ("reduce_gradient", reduce_sum_not_avg, "averaged gradient", "SUM over ranks"),
     ("reduce_gradient", reduce_keeps_padding, "averaged gradient", "REAL elements"),
     ("clip_grad_norm", clip_without_min, "after clipping", "never scales UP"),
     ("clip_grad_norm", clip_local_norm, "total norm", "all_reduce that sum"),
-    ("shard_layout", layout_remainder_on_partial_piece, "(padded_numel", "only padding"),
+    ("shard_layout", layout_remainder_on_partial_chunk, "(rows, widths, k)", "NO rows"),
     ("reduce_gradient", reduce_slice_not_clamped, "averaged gradient", "REAL elements"),
     ("syncbn_backward", syncbn_two_all_reduces, "collectives in your backward", "ONE all_reduce"),
     ("ring_all_reduce", ring_gather_adds_difference, "same bits on every rank", "each chunk ONCE"),
@@ -274,7 +312,7 @@ def test_checker_fails_known_wrong_versions(pools, name, wrong, what, hint):
         assert all(f"rank {r}: " in failure.inputs for r in range(failure.world)), text
 
 
-@pytest.mark.parametrize("name, wrong", [("shard_layout", layout_remainder_on_partial_piece),
+@pytest.mark.parametrize("name, wrong", [("shard_layout", layout_remainder_on_partial_chunk),
                                          ("reduce_gradient", reduce_slice_not_clamped)])
 def test_some_bugs_need_four_ranks(pools, name, wrong):
     """These two pass every example at 2 and 3 ranks (the old default) and fail at 4: the first
@@ -317,7 +355,7 @@ def test_a_learner_exception_is_reported_not_raised(pools):
     assert failure is not None and "ZeroDivisionError" in failure.got
 
 
-def _raises(numels, world, rank):
+def _raises(shapes, world, rank):
     return 1 // 0
 
 
@@ -330,20 +368,27 @@ def test_cli_list_hint_steps_and_a_passing_file(tmp_path, capsys):
     state = tmp_path / "attempts.json"
 
     def run(real: str) -> subprocess.CompletedProcess:
-        answer.write_text("def shard_layout(numels, world, rank):\n"
-                          "    total = sum(numels)\n"
-                          "    k = -(-total // world)\n"
-                          f"    return k * world, rank * k, {real}\n")
+        answer.write_text("def shard_layout(shapes, world, rank):\n"
+                          "    rows, widths = [], []\n"
+                          "    for s in shapes:\n"
+                          "        R, m = s[0], 1\n"
+                          "        for d in s[1:]:\n"
+                          "            m *= d\n"
+                          "        c = -(-R // world)\n"
+                          f"        rows.append({real})\n"
+                          "        widths.append(c * m)\n"
+                          "    return rows, widths, sum(widths)\n")
         return subprocess.run([sys.executable, "-m", "minishard.exercise", "shard_layout",
                                str(answer), "--ranks", "2", "--examples", "5"],
                               capture_output=True, text=True, timeout=120,
                               cwd=Path(__file__).resolve().parents[1],
                               env={**os.environ, "MINISHARD_EXERCISE_STATE": str(state)})
-    wrong = "k"  # every piece full: wrong for the last one when there is padding
+    wrong = "(rank * c, (rank + 1) * c)"  # not clamped: wrong for a last chunk with padding
     first, second = run(wrong), run(wrong)
     assert first.returncode == second.returncode == 1, first.stdout + second.stdout
-    assert "hint 1 of 2" in first.stdout and "max(0, min(k" not in first.stdout, first.stdout
-    assert "max(0, min(k" in second.stdout, second.stdout
-    proc = run("max(0, min(k, total - rank * k))")
+    how = "[min(r·c, R), min((r+1)·c, R))"
+    assert "hint 1 of 2" in first.stdout and how not in first.stdout, first.stdout
+    assert how in second.stdout, second.stdout
+    proc = run("(min(rank * c, R), min((rank + 1) * c, R))")
     assert proc.returncode == 0 and "PASSED shard_layout" in proc.stdout, proc.stdout + proc.stderr
     assert "hint 1 of 2" in run(wrong).stdout  # the pass started the count again

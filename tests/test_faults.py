@@ -116,13 +116,13 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path):
                                                                                             STEPS))
     assert_bitwise_equal(last_i, last_u, "step-%06d" % STEPS)
     for r in range(2):
-        for name, entry in last_i[r]["flats"].items():
+        for name, entry in last_i[r]["params"].items():
             assert float(entry["scalars"]["step"]) == STEPS, (r, name, entry["scalars"])
             assert set(entry["state"]) == {"exp_avg", "exp_avg_sq"}, (r, name)
     # ...and training moved the parameters (the comparison above is not between two no-ops).
     first = rank_files(checkpoint_path(root_u, 1))
-    assert any(not torch.equal(first[0]["flats"][n]["master"], e["master"])
-               for n, e in last_u[0]["flats"].items())
+    assert any(not torch.equal(first[0]["params"][n]["value"], e["value"])
+               for n, e in last_u[0]["params"].items())
     # Every step directory of the interrupted run is complete, step 3 included (its first,
     # partial save was redone by the restarted attempt).
     for s in range(1, STEPS + 1):

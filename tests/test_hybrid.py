@@ -44,7 +44,7 @@ import test_zero
 import test_zero_oracles
 from minishard import ZeRO
 from minishard.state import load_checkpoint, save_checkpoint
-from test_zero import (batch, build, expected_buffers, loss_fn, make_opt, mismatches, padded,
+from test_zero import (batch, build, expected_buffers, loss_fn, make_opt, mismatches, numel, padded,
                        rows_of, specs, unit_arg)
 
 SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas R, shard group size S): 4 ranks
@@ -212,7 +212,7 @@ def test_ledger_inside_and_across_nodes_is_the_hybrid_formula(pools, spec, stage
     psi = sum(padded(t, s_) for t in trainable)              # padded to the shard group
     psi_all = sum(padded(k, s_) for _, _, k in bufs)
     if stage == 0:
-        everything = Fraction(2 * (n - 1) * 4 * sum(trainable), n)
+        everything = Fraction(2 * (n - 1) * 4 * sum(map(numel, trainable)), n)
         inside, across = (everything, 0) if r_ == 1 else (0, everything)
     else:
         gathers = 2 * psi_all if stage == 3 else psi
@@ -220,7 +220,7 @@ def test_ledger_inside_and_across_nodes_is_the_hybrid_formula(pools, spec, stage
         across = Fraction(2 * (r_ - 1) * 4 * (psi // s_), r_)
     psi_n = sum(padded(t, n) for t in trainable)
     psi_all_n = sum(padded(k, n) for _, _, k in bufs)
-    full = (Fraction(2 * (n - 1) * 4 * sum(trainable), n) if stage == 0 else
+    full = (Fraction(2 * (n - 1) * 4 * sum(map(numel, trainable)), n) if stage == 0 else
             Fraction((n - 1) * 4 * ((2 * psi_all_n if stage == 3 else psi_n) + psi_n), n))
 
     hybrid = pools(4).run(ledger_one_step_on, shape, spec, stage, units, 2)
@@ -251,7 +251,7 @@ def test_ledger_inside_and_across_nodes_is_the_hybrid_formula(pools, spec, stage
         assert all(ranks == tuple(range(n)) for *_, ranks, _, _ in flat_entries)
         assert sum((b for *_, b in flat_entries), Fraction(0)) == full
     if units is None and all(rg for _, rg, _ in bufs) and stage == 3 and r_ > 1 and s_ > 1:
-        big_psi = padded(sum(p.numel() for p in build(spec).parameters()), s_)
+        big_psi = padded([p.shape for p in build(spec).parameters()], s_)
         # the headline: 3Ψ(S-1)/S inside a node + 2(Ψ/S)(R-1)/R across nodes, vs 3Ψ(N-1)/N
         assert inside == Fraction(3 * (s_ - 1) * 4 * big_psi, s_)
         assert across == Fraction(2 * (r_ - 1) * 4 * big_psi, s_ * r_)

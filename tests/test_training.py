@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import unittest.mock
 from fractions import Fraction
 
@@ -36,6 +35,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minishard
 from minishard import comm
+from test_zero import numel, padded  # the layout oracle: FSDP2's dim-0 cut, from shapes alone
 
 BF16, FP32 = torch.bfloat16, torch.float32
 DTYPES = {"bf16": BF16, "fp32": FP32}
@@ -470,10 +470,10 @@ UNIT_PATHS = {  # the units' module paths in ``Net`` (the root, "", is always on
 }
 
 
-def expected_flats(cfg: dict) -> list[tuple[bool, int]]:
-    """(requires_grad, numel) of every flat buffer, from the UNWRAPPED model and the design's
-    rule: a parameter belongs to the innermost unit containing every name it has; a unit keeps
-    one buffer per requires_grad (one dtype here)."""
+def expected_flats(cfg: dict) -> list[tuple[bool, list[torch.Size]]]:
+    """(requires_grad, parameter shapes) of every flat buffer, from the UNWRAPPED model and the
+    design's rule: a parameter belongs to the innermost unit containing every name it has; a unit
+    keeps one buffer per requires_grad (one dtype here)."""
     base = make_model(cfg)
     units = [""] + UNIT_PATHS[cfg.get("units", "block")](cfg["blocks"])
     names: dict[int, list[str]] = {}
@@ -481,27 +481,26 @@ def expected_flats(cfg: dict) -> list[tuple[bool, int]]:
     for name, p in base.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
         params[id(p)] = p
-    flats: dict[tuple[str, bool], int] = {}
+    flats: dict[tuple[str, bool], list[torch.Size]] = {}
     for pid, ns in names.items():
         owner = max((u for u in units if all(u == "" or n.startswith(u + ".") for n in ns)),
                     key=len)
-        key = (owner, params[pid].requires_grad)
-        flats[key] = flats.get(key, 0) + params[pid].numel()
-    return [(rg, n) for (_, rg), n in flats.items()]
+        flats.setdefault((owner, params[pid].requires_grad), []).append(params[pid].shape)
+    return [(rg, shapes) for (_, rg), shapes in flats.items()]
 
 
 def expected_ledger(cfg: dict, stage: int, ws: int, steps: int) -> dict:
     """op -> (calls, elements) over ``steps`` steps from wrapping, by the stage table: stage 0
     one all-reduce per step of every trainable element (these models are far below the 4 MiB
-    bucket); 1 one coalesced reduce-scatter per step, 2 one per trainable buffer, both padded to
-    a multiple of ws, and a coalesced re-gather at each of the later steps' forwards; 3 two
-    all-gathers of every buffer per step (forward, backward) and one reduce-scatter of each
-    trainable one."""
+    bucket); 1 one coalesced reduce-scatter per step, 2 one per trainable buffer, both with each
+    parameter's rows padded to a multiple of ws (test_zero.padded), and a coalesced re-gather at
+    each of the later steps' forwards; 3 two all-gathers of every buffer per step (forward,
+    backward) and one reduce-scatter of each trainable one."""
     flats = expected_flats(cfg)
-    pad = lambda n: math.ceil(n / ws) * ws
+    pad = lambda shapes: padded(shapes, ws)
     trainable = [n for rg, n in flats if rg]
     if stage == 0:
-        return {"all_reduce": (steps, steps * sum(trainable))}
+        return {"all_reduce": (steps, steps * sum(map(numel, trainable)))}
     if stage in (1, 2):
         calls = steps if stage == 1 else steps * len(trainable)
         return {"reduce_scatter": (calls, steps * sum(map(pad, trainable))),
@@ -627,7 +626,7 @@ def accumulation_matches_big_batch(cfg: dict, stage: int, micro: int, use_no_syn
     model = minishard.ZeRO(copy.deepcopy(base), stage=stage, units=UNITS[cfg["units"]],
                            prefetch=prefetch)
     opt = sgd()(model.parameters())
-    grad_flats = sum(p.requires_grad for p in model.parameters())  # one reduction each
+    grad_flats = sum(rg for rg, _ in expected_flats(cfg))  # one reduction each
     held = {"no_sync": [], "synced": []}
     for x, y in data:
         for j in range(micro):
@@ -688,14 +687,11 @@ def test_gradient_accumulation_equals_one_big_batch(pools, ws, stage, width, hid
 # ------------------------------------------------------------------------------------ 4. prefetch
 def _unit_bytes(base: Net, ws: int, elem: int) -> tuple[int, int]:
     """(root unit, largest block unit) full bytes, from the model's structure alone: one flat per
-    (unit, requires_grad), each padded to a multiple of ws; a weight tied across blocks belongs
-    to the root."""
-    def padded(params):
-        return math.ceil(sum(p.numel() for p in params) / ws) * ws * elem if params else 0
-
+    (unit, requires_grad), each parameter's rows padded to a multiple of ws; a weight tied
+    across blocks belongs to the root."""
     def flats(params):
-        return padded([p for p in params if p.requires_grad]) + \
-            padded([p for p in params if not p.requires_grad])
+        return elem * (padded([p.shape for p in params if p.requires_grad], ws) +
+                       padded([p.shape for p in params if not p.requires_grad], ws))
 
     in_blocks = [set(map(id, b.parameters())) for b in base.blocks]
     shared = {i for i in set.union(*in_blocks) if sum(i in s for s in in_blocks) > 1}

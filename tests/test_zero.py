@@ -7,8 +7,9 @@ What each test trusts, and what it checks:
     engine's ``full_state_dict()`` must equal the oracle's ``state_dict()`` (fp32, allclose with
     ATOL/RTOL below: only the order of the additions differs).
   * the ledger: the numbers of elements the stage table says move per step, computed HERE from the
-    unwrapped model's parameter numels, the unit/tie ownership rule of the design and the padding
-    formula ceil(n/N)*N, never read from the engine.
+    unwrapped model's parameter shapes, the unit/tie ownership rule of the design and FSDP2's cut
+    (each parameter's dim 0 in N chunks as torch.chunk makes them, padded to the largest), never
+    read from the engine.
   * the memory report: the ZeRO formulas for fp32 Adam, per rank, from the same independent layout.
 The comparisons with DDP, ZeroRedundancyOptimizer and FSDP1/FSDP2 are in test_zero_oracles.py.
 
@@ -131,27 +132,40 @@ def unit_names(spec: dict, units: str | None) -> list[str]:
     return names
 
 
-def expected_buffers(spec: dict, units: str | None) -> list[tuple[str, bool, int]]:
-    """(unit, requires_grad, numel) of every flat buffer, from the UNWRAPPED model and the design's
-    rule: a parameter belongs to the innermost unit that contains every module using it; a unit
-    keeps one buffer per requires_grad group (all fp32 here)."""
+def expected_buffers(spec: dict, units: str | None) -> list[tuple[str, bool, list[torch.Size]]]:
+    """(unit, requires_grad, parameter shapes) of every flat buffer, from the UNWRAPPED model and
+    the design's rule: a parameter belongs to the innermost unit that contains every module using
+    it; a unit keeps one buffer per requires_grad group (all fp32 here)."""
     net = build(spec)
     names_of: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for name, p in net.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
         params[id(p)] = p
-    groups: dict[tuple[str, bool], int] = {}
+    groups: dict[tuple[str, bool], list[torch.Size]] = {}
     for pid, names in names_of.items():
         owner = max((u for u in unit_names(spec, units)
                      if all(u == "" or n.startswith(u + ".") for n in names)), key=len)
-        key = (owner, params[pid].requires_grad)
-        groups[key] = groups.get(key, 0) + params[pid].numel()
-    return [(u, rg, n) for (u, rg), n in groups.items()]
+        groups.setdefault((owner, params[pid].requires_grad), []).append(params[pid].shape)
+    return [(u, rg, shapes) for (u, rg), shapes in groups.items()]
 
 
-def padded(n: int, world: int) -> int:
-    return math.ceil(n / world) * world
+def numel(shapes: list[torch.Size]) -> int:
+    return sum(math.prod(s) for s in shapes)
+
+
+def my_rows(shape: torch.Size, world: int, r: int) -> int:
+    """Rows of a parameter rank r holds when dim 0 is cut into ``world`` chunks as torch.chunk
+    cuts it (FSDP2's cut; a 0-dim parameter is one row)."""
+    rows = shape[0] if len(shape) else 1
+    chunks = torch.empty(rows, 0).chunk(world) if rows else ()
+    return chunks[r].shape[0] if r < len(chunks) else 0
+
+
+def padded(shapes: list[torch.Size], world: int) -> int:
+    """Elements one buffer of these parameters moves per collective: every parameter padded to
+    ``world`` chunks of its largest chunk's rows (per-parameter padding, up to world-1 rows each)."""
+    return sum(world * my_rows(s, world, 0) * math.prod(s[1:]) for s in shapes)
 
 
 def batch(spec: dict, step: int, rows: int):
@@ -322,8 +336,8 @@ def test_ledger_one_step_is_the_stage_formula(pools, spec, stage, world, units, 
     # Stages 0-1 coalesce the ready buffers' reductions into collectives of up to 4 MiB: these
     # models are far smaller, so ONE reduction per step carries every trainable buffer.
     if stage == 0:  # one all-reduce of every trainable buffer, unpadded
-        expect = {"all_reduce": [sum(trainable)] if trainable else []}
-        psi = sum(trainable)
+        expect = {"all_reduce": [sum(map(numel, trainable))] if trainable else []}
+        psi = sum(map(numel, trainable))
         total = Fraction(2 * (n - 1) * 4 * psi, n)
     elif stage in (1, 2):  # reduce-scatter + (lazy) all-gather of each trainable buffer, padded;
         # the re-gather after the step is coalesced the same way (stage 2 reduces per unit)
@@ -343,16 +357,16 @@ def test_ledger_one_step_is_the_stage_formula(pools, spec, stage, world, units, 
     results = pools(world).run(ledger_one_step, spec, stage, units, 2, prefetch)
     for rank, entries in enumerate(results):
         got: dict[str, list[int]] = {}
-        for op, dtype, numel, group, _ in entries:
-            got.setdefault(op, []).append(numel)
+        for op, dtype, count, group, _ in entries:
+            got.setdefault(op, []).append(count)
             assert (dtype, group) == ("torch.float32", n), entries
         assert {op: sorted(v) for op, v in got.items()} == \
             {op: v for op, v in expect.items() if v}, (rank, entries)
         assert sum((e[4] for e in entries), Fraction(0)) == total, (rank, entries)
     if units is None and all(rg for _, rg, _ in bufs):  # cross-check: the headline formula
-        psi_model = sum(p.numel() for p in build(spec).parameters())  # tied weights once
+        shapes = [p.shape for p in build(spec).parameters()]  # tied weights once
         factor = {0: 2, 1: 2, 2: 2, 3: 3}[stage]
-        size = psi_model if stage == 0 else padded(psi_model, n)
+        size = numel(shapes) if stage == 0 else padded(shapes, n)
         assert total == Fraction(factor * (n - 1) * 4 * size, n)
 
 
@@ -407,15 +421,16 @@ def memory_after_step(spec, stage, units, per_rank):
 
 
 def zero_formula(bufs, stage: int, n: int, r: int) -> dict[str, int]:
-    """Bytes rank r holds, fp32 Adam, from the design's formulas applied per flat buffer."""
+    """Bytes rank r holds, fp32 Adam, from the design's formulas applied per flat buffer: k
+    padded elements per rank, of which its real rows are what the optimizer keeps state for."""
     params = grads = optim = 0
-    for _, rg, numel in bufs:
-        k = math.ceil(numel / n)
-        real = max(0, min(k, numel - r * k))
+    for _, rg, shapes in bufs:
+        k = padded(shapes, n) // n
+        real = sum(my_rows(s, n, r) * math.prod(s[1:]) for s in shapes)
         if stage == 0:
-            params += 4 * numel
-            grads += 4 * numel if rg else 0
-            optim += 8 * numel if rg else 0
+            params += 4 * numel(shapes)
+            grads += 4 * numel(shapes) if rg else 0
+            optim += 8 * numel(shapes) if rg else 0
         else:
             params += 4 * k * n if stage < 3 else 4 * k
             grads += 4 * k if rg else 0
@@ -432,18 +447,18 @@ def test_memory_report_is_the_zero_formula(pools, spec, stage, world, units):
         want = zero_formula(bufs, stage, world, r)
         for when, rep in (("after step", after_step), ("after next backward", after_backward)):
             assert {k: rep[k] for k in want} == want, (r, when, rep, want, bufs)
-        # what the optimizer sees: one shard per buffer, only its real (unpadded) elements
+        # what the optimizer sees: the module's parameters, each only this rank's real rows
+        shapes = [s for _, _, b in bufs for s in b]
         if stage == 0:
-            assert shard_numels == sorted(b for _, _, b in bufs), (r, shard_numels, bufs)
+            assert shard_numels == sorted(map(math.prod, shapes)), (r, shard_numels, bufs)
         else:
-            real = [max(0, min(math.ceil(b / world), b - r * math.ceil(b / world)))
-                    for _, _, b in bufs]
+            real = [my_rows(s, world, r) * math.prod(s[1:]) for s in shapes]
             assert shard_numels == sorted(real), (r, shard_numels, bufs)
-    trainable = sum(numel for _, rg, numel in bufs if rg)
+    trainable = sum(numel(b) for _, rg, b in bufs if rg)
     assert sum(a["optimizer"] for a, _, _ in reports) == \
         8 * trainable * (world if stage == 0 else 1)
     if stage > 0:  # every element is owned by exactly one rank
-        assert sum(sum(s) for _, _, s in reports) == sum(b for _, _, b in bufs)
+        assert sum(sum(s) for _, _, s in reports) == sum(numel(b) for _, _, b in bufs)
 
 
 def stage3_peak(spec, units, per_rank):
@@ -468,11 +483,11 @@ def test_stage3_peak_gathered_params_is_one_unit_at_a_time(pools, spec, world):
     frozen unit is gathered for backward too and must be freed after it like the others."""
     bufs = expected_buffers(spec, "blocks")
     unit_bytes: dict[str, int] = {}
-    for unit, _, numel in bufs:
-        unit_bytes[unit] = unit_bytes.get(unit, 0) + 4 * padded(numel, world)
+    for unit, _, shapes in bufs:
+        unit_bytes[unit] = unit_bytes.get(unit, 0) + 4 * padded(shapes, world)
     root = unit_bytes.pop("", 0)
     bound = root + max(unit_bytes.values())
-    whole = sum(4 * padded(numel, world) for _, _, numel in expected_buffers(spec, None))
+    whole = sum(4 * padded(shapes, world) for _, _, shapes in expected_buffers(spec, None))
     per_block = pools(world).run(stage3_peak, spec, "blocks", 2)
     one_unit = pools(world).run(stage3_peak, spec, None, 2)
     for r in range(world):
@@ -498,7 +513,7 @@ def test_stage3_frozen_unit_is_freed_after_its_backward(pools):
     is gathered again for backward (its weight is needed for the input gradient); it must be
     freed once its backward is done, so that at most ONE Linear(4, 4) (20 elements, padded to 20
     for 2 ranks = 80 bytes; the root owns nothing) is ever gathered."""
-    one_unit = 4 * padded(4 * 4 + 4, 2)
+    one_unit = 4 * padded([torch.Size([4, 4]), torch.Size([4])], 2)
     assert pools(2).run(stage3_frozen_unit_peak) == [one_unit, one_unit]
 
 
@@ -665,7 +680,12 @@ def partial_forwards_use_current_params(stage, uses, steps_a, steps_b, cap_units
     flats = {name: model.units[i + 1].flats[0] for i, name in enumerate("abc")}
     # Momentum moves even a unit a forward skipped, so a pending gather of it goes stale.
     sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    opts = [(sgd([flats["a"].shard, flats["c"].shard]), steps_a), (sgd([flats["b"].shard]), steps_b)]
+    mine = {name: list(getattr(model.module, name).parameters()) for name in "abc"}
+    opts = [(sgd(mine["a"] + mine["c"]), steps_a), (sgd(mine["b"]), steps_b)]
+    ran_with = {}  # the weight each unit computed with: read inside its forward
+    for name in "abc":
+        getattr(model.module, name).register_forward_pre_hook(
+            lambda m, _, name=name: ran_with.__setitem__(name, m.weight.detach().clone()))
     ref_opts = [(sgd([*oracle.a.parameters(), *oracle.c.parameters()]), steps_a),
                 (sgd(list(oracle.b.parameters())), steps_b)]
     xg = torch.randn(3 * n, 5, generator=torch.Generator().manual_seed(1))
@@ -677,8 +697,7 @@ def partial_forwards_use_current_params(stage, uses, steps_a, steps_b, cap_units
             model(x, use=use).sum().backward()       # gradients averaged over the ranks
             (oracle(xg, use=use).sum() / n).backward()  # a skipped unit keeps grad None
             for name in use:  # the weights this forward computed with, vs the oracle's
-                ran_with = getattr(model.module, name).weight.detach()
-                if not torch.allclose(ran_with, getattr(oracle, name).weight, atol=1e-5):
+                if not torch.allclose(ran_with[name], getattr(oracle, name).weight, atol=1e-5):
                     bad.append(f"step {step} ({use}): unit {name} ran with stale parameters")
             for opt, steps in opts + ref_opts:
                 if steps[step]:
@@ -762,19 +781,41 @@ def error_message(fn, *args):
 
 
 def optimizer_built_before_wrapping(stage):
+    """nanoGPT's and DDP's order: the optimizer is built over the plain module, then the module
+    is wrapped. The module keeps its parameter objects (at stages 1-3 they hold this rank's rows),
+    so that optimizer trains exactly as one built after wrapping. One that already STEPPED has
+    state shaped for the full parameters: refused at its next step (stages 1-3)."""
+    x, y = batch(SMALL, 0, 2)
+    finals = []
+    for built_before in (True, False):
+        net = build(SMALL)
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2) if built_before else None
+        model = ZeRO(net, stage=stage)
+        opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append(model.full_state_dict())
+    same = all(torch.equal(finals[0][k], finals[1][k]) for k in finals[1])
     net = build(SMALL)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    loss_fn(net(x), y).backward()
+    opt.step()
     model = ZeRO(net, stage=stage)
-    x, y = batch(SMALL, 0, 2)
     loss_fn(model(x), y).backward()
-    return error_message(opt.step)
+    return same, error_message(opt.step)
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_optimizer_built_before_wrapping_is_refused(pools, stage):
-    for result in pools(2).run(optimizer_built_before_wrapping, stage):
-        assert result is not None and result[0] == "RuntimeError", result
-        assert "BEFORE" in result[1], result
+def test_optimizer_built_before_wrapping_trains_or_is_refused(pools, stage):
+    for same, stepped in pools(2).run(optimizer_built_before_wrapping, stage):
+        assert same  # bitwise: the same parameter objects, the same updates
+        if stage == 0:  # the full parameters, as DDP: its state still fits
+            assert stepped is None, stepped
+        else:
+            assert stepped is not None and stepped[0] == "RuntimeError", stepped
+            assert "stepped before" in stepped[1], stepped
 
 
 def wrap_twice(stage):

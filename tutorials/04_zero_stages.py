@@ -7,7 +7,7 @@ Plain data parallelism (DDP) keeps a full copy of everything on every rank: para
 and optimizer state. With fp32 Adam that is 4 + 4 + 8 = 16 bytes per parameter, on EVERY rank, so
 adding ranks never lets you train a bigger model. ZeRO removes the copies one kind at a time:
 
-    stage 1  shard the optimizer state      (each rank updates only its 1/N slice of the params)
+    stage 1  shard the optimizer state      (each rank updates only its 1/N: rows of each param)
     stage 2  ... and the gradients          (reduce-scatter: each rank receives only its slice)
     stage 3  ... and the parameters         (all-gather each unit just before it computes)
 
@@ -15,8 +15,31 @@ This script trains the same model with each stage, MEASURES what each rank holds
 not estimates) and how many bytes each rank sends per step (minishard's comm ledger), and asserts
 that both equal the formulas. Stage 3 pays for its memory with one extra all-gather per step:
 3Ψ of traffic instead of 2Ψ.
+
+First, though: WHICH 1/N does a rank hold? Two layouts are in use. Take a unit with parameters
+a (3x2), b (3) and c (5) on N = 2 ranks (one label per element: a1 is an element of a's row 1):
+
+    FSDP1 / DeepSpeed: concatenate, pad the END to a multiple of N, cut in N equal 1-D pieces
+        rank 0: [a0 a0 a1 a1 a2 a2 b0]      rank 1: [b1 b2 c0 c1 c2 c3 c4]
+    FSDP2 / minishard: cut EACH parameter along dim 0 into N chunks of ceil(R/N) rows
+        rank 0: [a0 a0 a1 a1 | b0 b1 | c0 c1 c2]      rank 1: [a2 a2 _ _ | b2 _ | c3 c4 _]
+
+In the first, a piece is a slice of bytes that runs across parameter boundaries (b is split
+between ranks 0 and 1 mid-parameter): what the optimizer sees is ``flat_param`` pieces with no
+names and no shapes. In the second, rank r's shard of each parameter is a block of its ROWS, so
+the module keeps its own parameters, with their names and number of dimensions: a is (2, 2) on
+rank 0 and (1, 2) on rank 1. That is why FSDP2 moved to it: ``named_parameters()`` and
+``p.dim() >= 2`` (weight decay on matrices only) work as without sharding, any single parameter
+can be frozen, and a state dict is each rank's rows of each named tensor, saved without
+communication. What it costs: padding per PARAMETER (up to N-1 rows each, not N-1 elements in
+all: 18 elements move for 14 here, where the concatenation needs none), and one copy of the
+unit's bytes per all-gather and per reduce-scatter, to put each rank's rows of every parameter
+side by side (none when the unit has one parameter: then both layouts are the same).
+Part 0 builds that unit at your N, prints both layouts, and asserts every rank's parameters and
+the bytes its all-gather moves.
 """
 import argparse
+import math
 
 import torch
 import torch.distributed as dist
@@ -25,7 +48,82 @@ from torch import nn
 import minishard
 from minishard.memory import bar_chart, fmt_bytes, zero_bytes, pyplot
 
-WIDTH, BLOCKS, BATCH = 96, 4, 8  # 96*96 + 96 = 9312 params per block: divisible by 1-4, no padding
+WIDTH, BLOCKS, BATCH = 96, 4, 8  # every parameter has 96 rows: divisible by 1-4, no padding
+LAYOUT = {"a": (3, 2), "b": (3,), "c": (5,)}  # part 0's unit (minishard/flat.py draws it too)
+
+
+class Three(nn.Module):
+    """Part 0's unit: parameters a, b, c whose values are their element's row number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name, shape in LAYOUT.items():
+            rows = torch.arange(shape[0], dtype=torch.float32)
+            self.register_parameter(name, nn.Parameter(rows.reshape(-1, *[1] * (len(shape) - 1))
+                                                       .expand(shape).clone()))
+
+    def forward(self, x):
+        return x * sum(p.sum() for p in self.parameters())
+
+
+def concatenation_pieces(world: int) -> list[list[str]]:
+    """FSDP1's layout, computed plainly: every element's label, end to end, padded, cut in N."""
+    labels = [f"{name}{row}" for name, shape in LAYOUT.items()
+              for row in range(shape[0]) for _ in range(math.prod(shape[1:]))]
+    k = -(-len(labels) // world)
+    labels += ["_"] * (k * world - len(labels))
+    return [labels[r * k:(r + 1) * k] for r in range(world)]
+
+
+def row_chunks(world: int) -> list[dict[str, list[int]]]:
+    """FSDP2's layout: each parameter's rows cut with torch.chunk (which may give fewer than N
+    chunks: the last ranks then hold no rows). Per rank, per parameter, the rows it holds."""
+    out = [{} for _ in range(world)]
+    for name, shape in LAYOUT.items():
+        chunks = torch.arange(shape[0]).chunk(world)
+        for r in range(world):
+            out[r][name] = chunks[r].tolist() if r < len(chunks) else []
+    return out
+
+
+def show_layouts(rank: int, world: int, say) -> None:
+    """Part 0: both layouts at this N; the engine's parameters and gather bytes asserted."""
+    chunks = row_chunks(world)
+    width = {n: -(-s[0] // world) for n, s in LAYOUT.items()}  # rows every chunk is padded to
+    per_row = {n: math.prod(s[1:]) for n, s in LAYOUT.items()}
+    k = sum(width[n] * per_row[n] for n in LAYOUT)
+    model = minishard.ZeRO(Three(), stage=3)
+    first_column = lambda p: p.detach()[(slice(None),) + (0,) * (p.dim() - 1)]  # noqa: E731
+    mine = {name: (tuple(p.shape), first_column(p).tolist())  # each row's value: its row number
+            for name, p in model.module.named_parameters()}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)  # rank 0 checks and prints every rank's
+    for r, got in enumerate(everyone):
+        assert list(got) == list(LAYOUT), got  # the module's own names, in order
+        for name, shape in LAYOUT.items():     # this rank's rows, with the original ndim
+            rows = chunks[r][name]
+            assert got[name] == ((len(rows), *shape[1:]), [float(i) for i in rows]), (r, got)
+    with minishard.ledger() as led:
+        model(torch.ones(1))                   # stage 3: one all-gather of the unit
+    assert led.total_bytes("all_gather") == 4 * k * (world - 1), led.table()
+    numel = sum(math.prod(s) for s in LAYOUT.values())
+    old = concatenation_pieces(world)
+    say(f"Part 0: where a rank's 1/{world} lives. a (3x2), b (3), c (5): {numel} elements; "
+        "a label per element.")
+    say("  FSDP1 / DeepSpeed, the concatenation cut in N:")
+    for r, piece in enumerate(old):
+        say(f"    rank {r}: [{' '.join(piece)}]")
+    say("  FSDP2 / minishard, each parameter cut along dim 0 (asserted on every rank):")
+    for r in range(world):
+        parts = [" ".join([f"{n}{i}" for i in chunks[r][n] for _ in range(per_row[n])]
+                          + ["_"] * ((width[n] - len(chunks[r][n])) * per_row[n]))
+                 for n in LAYOUT]
+        shapes = ", ".join(f"{n} {everyone[r][n][0]}" for n in LAYOUT)
+        say(f"    rank {r}: [{' | '.join(parts)}]   its parameters: {shapes}")
+    say(f"  Padded: {world * len(old[0])} elements cut as a concatenation, {world * k} cut per "
+        f"parameter (up to N-1 rows each);\n  an all-gather of the unit sends "
+        f"{4 * k * (world - 1)} bytes per rank (asserted), then copies each parameter's rows "
+        "into place.\n")
 
 
 class Block(nn.Module):
@@ -59,6 +157,7 @@ def main(rank: int, world: int, plot: str | None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"Model: {BLOCKS} x Linear({WIDTH}) = {psi:,} parameters, fp32 Adam, {world} ranks.\n")
 
+    show_layouts(rank, world, say)
     results = {stage: train_and_measure(stage, rank) for stage in range(4)}
 
     say(f"{'stage':<6}{'params':>12}{'grads':>12}{'optimizer':>12}{'total':>12}"

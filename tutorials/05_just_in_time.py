@@ -10,6 +10,14 @@ works if the model is cut into several units. This script prints the timeline of
 by unit, and measures the peak of gathered bytes with one unit for the whole model versus one unit
 per block. It asserts that per-block units bring the peak down to the largest unit.
 
+What a gather moves, in FSDP2's layout (tutorial 04, part 0): each rank sends its shard, its
+chunk of ceil(R/N) rows of every parameter of the unit side by side, padded; the all-gather
+lands the N shards in one buffer, rank after rank, and each parameter's rows are then copied into
+place, so the module computes with its own parameters at their full shapes. So the bytes a
+gather brings are every parameter padded to a multiple of N rows (not the unit's elements padded
+to a multiple of N, as when the concatenation is cut: FSDP1), and each gather, like each
+reduce-scatter of the gradients, costs one copy of the unit (none for a one-parameter unit).
+
 With ``--plot FILE.png`` it draws the three runs one above the other on one time axis: the
 full-parameter bytes held, forward and backward shaded, each unit's compute labelled, and the time
 spent WAITING for a collective drawn as such (a flat stretch of the line is often not computing
@@ -42,11 +50,12 @@ class Block(nn.Module):
         return torch.relu(self.linear(x))
 
 
-def padded_bytes(numel: int, world: int) -> int:
-    """A unit's gathered buffer: its elements padded up to a multiple of N (every rank's shard
-    has the same size, as the collectives need), in fp32. With N = 3, a 4160-element block
-    gathers 4161."""
-    return math.ceil(numel / world) * world * 4
+def padded_bytes(shapes: list[torch.Size], world: int) -> int:
+    """A unit's gathered buffer, in fp32: each parameter's rows padded up to N chunks of
+    ceil(R/N) rows (every rank's shard has the same size, as the collectives need; tutorial 04,
+    part 0). With N = 3, a Linear(64, 64) block (4160 elements) gathers 4290: the weight's 64
+    rows and the bias's 64 both pad to 66."""
+    return 4 * sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
 
 
 @contextlib.contextmanager
@@ -90,8 +99,9 @@ def one_step(units, prefetch=False, trace=None):
 
 def main(rank: int, world: int, plot: str | None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
-    block_numel = WIDTH * WIDTH + WIDTH  # one block's parameters
-    block_bytes = padded_bytes(block_numel, world)
+    shapes = [p.shape for p in Block().parameters()]  # from the unwrapped block
+    block_numel = sum(math.prod(s) for s in shapes)
+    block_bytes = padded_bytes(shapes, world)
 
     runs = {}
     whole, runs["one unit"] = one_step(units=None)
@@ -118,11 +128,20 @@ def main(rank: int, world: int, plot: str | None) -> None:
              "per block + prefetch": prefetched.peak_gathered_bytes}
     say("\nPeak of gathered full parameters on this rank:")
     say(bar_chart([(k, {"gathered": v}) for k, v in peaks.items()]))
-    # Padding: a unit is gathered as N equal shards, so its elements are rounded up to a multiple
-    # of N (nothing to round with 1, 2 or 4 ranks here; one element per block with 3).
-    assert peaks["one unit"] == padded_bytes(BLOCKS * block_numel, world)  # everything at once
+    # Padding: every parameter is cut into N chunks of ceil(R/N) rows, the last ones padded, so
+    # each parameter's rows are rounded up to a multiple of N: nothing to round with 1, 2 or 4
+    # ranks here (64 rows); with 3, two rows per parameter, 130 elements per block. Padding is
+    # per parameter, so one unit for the whole model pads exactly as the six blocks do.
+    assert peaks["one unit"] == padded_bytes(shapes * BLOCKS, world)  # everything at once
+    assert padded_bytes(shapes * BLOCKS, world) == BLOCKS * block_bytes
     assert peaks["per block"] == block_bytes                   # one block at a time
     assert peaks["per block + prefetch"] <= 2 * block_bytes    # this one and the next
+    pad = block_bytes - 4 * block_numel
+    assert pad == 4 * (-WIDTH % world) * (WIDTH + 1), pad  # rows short of a multiple of N, x2
+    say(f"\nA block is {block_numel:,} fp32 elements ({4 * block_numel:,} bytes); gathered on "
+        f"{world} rank(s) it is {block_bytes:,} bytes, {pad:,} of them padding\n(each "
+        f"parameter's {WIDTH} rows become {world} chunks of {math.ceil(WIDTH / world)} rows); "
+        "the gather lands in one buffer and is copied out\nparameter by parameter.")
     say(f"\nPer-block units cut the peak from {fmt_bytes(peaks['one unit'])} to "
         f"{fmt_bytes(peaks['per block'])} ({peaks['one unit'] / peaks['per block']:.2f}x); "
         "prefetch holds at most two blocks. All assertions held.")

@@ -115,12 +115,15 @@ def accumulation_costs(rank: int, world: int, say) -> None:
                       "full grads": peak_full_grads, "gathered": peak_gathered}
         grads[way] = [p.grad.clone() for p in model.parameters()]
 
-    # The oracle for the bytes, from the model's shapes alone. Each unit is padded to a multiple
-    # of N elements (P in all); per micro-batch, stage 3 all-gathers every unit twice (forward,
+    # The oracle for the bytes, from the unwrapped model's shapes alone. Each parameter is cut
+    # along dim 0 into N chunks of ceil(R/N) rows, so its rows are padded to a multiple of N
+    # (P elements in all); per micro-batch, stage 3 all-gathers every unit twice (forward,
     # backward) in bf16 and reduce-scatters it once in fp32 (reduce_dtype), (N-1)/N of each.
-    padded = lambda n: math.ceil(n / world) * world  # noqa: E731
-    block = padded(sum(p.numel() for p in Block().parameters()))
-    P = blocks * block + padded(32 + 1)                                    # the blocks + the head
+    padded = lambda s: math.ceil(s[0] / world) * world * math.prod(s[1:])  # noqa: E731
+    block = sum(padded(p.shape) for p in Block().parameters())
+    head = sum(padded(p.shape) for p in nn.Linear(32, 1).parameters())  # a (1, 32) weight: N rows
+    P = blocks * block + head                                              # the blocks + the head
+    real = blocks * sum(p.numel() for p in Block().parameters()) + 33
     gather = Fraction(2 * 2 * P * (world - 1), world)
     reduce = Fraction(4 * P * (world - 1), world)
     every, nosync = costs["reduce every micro-batch"], costs["no_sync until the last"]
@@ -136,11 +139,15 @@ def accumulation_costs(rank: int, world: int, say) -> None:
     assert every["full grads"] <= 3 * 2 * block, costs
     # Both give the same gradient up to bf16 rounding: under no_sync the full gradients are
     # accumulated in the compute dtype (bf16), reduced every micro-batch they are summed in fp32.
-    drift = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads.values()))
+    # (Each rank compares its own rows; the head's one-row weight leaves some ranks none.)
+    drift = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*grads.values())
+                if b.numel())
     assert drift < 2e-2, drift
 
     say(f"1. Gradient accumulation at stage 3: one step of {M} micro-batches, {world} rank(s), "
-        f"{blocks} blocks + a head,\n   P = {P:,} parameters (padded), bf16 compute.")
+        f"{blocks} blocks + a head,\n   P = {P:,} elements moved per pass: {real:,} parameters "
+        f"and {P - real:,} of padding (each parameter's rows\n   padded to a multiple of N: the "
+        f"head's single-row weight to {world} rows), bf16 compute.")
     say(f"   {'':<26}{'all-gathered':>14}{'reduce-scattered':>18}{'peak full grads':>17}"
         f"{'peak gathered params':>22}")
     for way, c in costs.items():

@@ -11,7 +11,12 @@ otherwise take the lowest stage that fits, leaving room for activations.
 
 Part 1 trains a small model at every stage and MEASURES, per rank, the bytes held (tensor storage)
 and sent (the comm ledger), and the step time. It asserts that memory strictly decreases with the
-stage, that it equals the estimator's prediction, and that stage 3 sends 1.5x stage 0's bytes.
+stage, that it equals the ZeRO formulas term by term, and that stage 3 sends 1.5x stage 1's bytes.
+The estimator counts Ψ real parameters; a sharded engine also holds and moves padding: each
+parameter's rows are cut into N chunks of ceil(R/N) rows (FSDP2's layout, tutorial 04), so with 3
+ranks this model's 128-row parameters pad to 129 rows. Part 1 computes that padding from the
+model's shapes, asserts the measurement to the byte with it, and prints what it costs (here well
+under 1%: it is at most N-1 rows per parameter, which matters only for small parameters).
 Step times are printed but not asserted: on a shared CPU they are noise-prone, and with a model
 this small the collectives' fixed costs, not their bytes, dominate.
 
@@ -33,7 +38,7 @@ from minishard import comm
 from minishard.memory import bar_chart, fmt_bytes, pyplot
 from minishard.plan import estimate, fmt_decimal, min_ranks
 
-WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128*128+128 = 16512 params per block: no padding
+WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128 rows a parameter: padded when 3 ranks
 
 
 class Block(nn.Module):
@@ -50,6 +55,22 @@ def build(stage: int):
     model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=stage,
                            units={Block})
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)  # built AFTER wrapping
+
+
+def zero_formula(stage: int, rank: int, world: int) -> dict[str, int]:
+    """Bytes a rank holds, fp32 Adam, from the unwrapped model's shapes: the ZeRO formulas with
+    each parameter's rows padded to N chunks of ceil(R/N) (P elements, k = P/N a shard), and
+    the optimizer state kept for this rank's REAL rows only (torch.chunk's cut)."""
+    shapes = [p.shape for _ in range(BLOCKS) for p in Block().parameters()]
+    psi = sum(math.prod(s) for s in shapes)
+    P = sum(math.ceil(s[0] / world) * world * math.prod(s[1:]) for s in shapes)
+    real = sum(torch.empty(s[0], 0).chunk(world)[rank].shape[0] * math.prod(s[1:])
+               if rank < len(torch.empty(s[0], 0).chunk(world)) else 0 for s in shapes)
+    if stage == 0:  # DDP: everything whole, no padding
+        return {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    return {"params": 4 * P // world if stage == 3 else 4 * P,  # stages 1-2 keep full params
+            "grads": 4 * P if stage == 1 else 4 * P // world,    # stage 1: full, at its peak
+            "optimizer": 8 * real}
 
 
 def step(model, opt, x) -> None:
@@ -92,24 +113,33 @@ def main(rank: int, world: int, plot: str | None) -> None:
     comm.all_reduce(median, "max", tag="tutorial: timing")  # the slowest rank sets the pace
 
     predicted = estimate(psi, world, memory=math.inf)       # fp32 Adam, the ZeRO formulas
+    exact = {s: zero_formula(s, rank, world) for s in range(4)}  # ... with the padding
+    P = exact[1]["params"] // 4                             # elements moved per pass, padded
     say(f"Part 1: {BLOCKS} x Linear({WIDTH}) = {psi:,} parameters, fp32 Adam, {world} ranks, "
         f"batch {BATCH} per rank.\n")
-    say(f"{'stage':<6}{'held/rank':>12}{'estimator':>12}{'sent/step':>12}{'collectives':>13}"
-        f"{'step (median)':>15}")
+    say(f"{'stage':<6}{'held/rank':>12}{'estimator':>12}{'padding':>10}{'sent/step':>12}"
+        f"{'collectives':>13}{'step (median)':>15}")
     for stage in range(4):
         total = sum(held[stage].values())
+        pad = total - predicted[stage]["total"]
         say(f"{stage:<6}{fmt_bytes(total):>12}{fmt_bytes(predicted[stage]['total']):>12}"
-            f"{fmt_bytes(float(sent[stage])):>12}{calls[stage]:>13}{1e3 * median[stage]:>12.2f} ms")
+            f"{pad:>+10,.0f}{fmt_bytes(float(sent[stage])):>12}{calls[stage]:>13}"
+            f"{1e3 * median[stage]:>12.2f} ms")
     say("")
     say(bar_chart([(f"stage {s}", held[s]) for s in range(4)]))
 
     totals = [sum(held[s].values()) for s in range(4)]
-    for s in range(4):   # the measurement is the estimator's prediction, term by term
-        assert held[s] == {k: predicted[s][k] for k in held[s]}, (s, held[s], predicted[s])
+    for s in range(4):   # the measurement is the formula with the padding, term by term,
+        assert held[s] == exact[s], (s, held[s], exact[s])
+        # and the estimator's (no padding) is off by at most 16 bytes per padding element:
+        # 4 (params) + 4 (grads) + 8 (Adam, whose state follows this rank's real rows).
+        assert abs(totals[s] - predicted[s]["total"]) <= 16 * (P - psi), (s, totals, P, psi)
     assert all(a > b for a, b in zip(totals, totals[1:])), totals   # strictly less per stage
-    # Bytes: 2 psi (N-1)/N for stages 0-2, 3 psi (N-1)/N for stage 3 (fp32: x 4 bytes).
-    assert sent[0] == sent[1] == sent[2] == 2 * 4 * psi * (world - 1) / world
-    assert sent[3] == sent[0] * 3 / 2
+    # Bytes: 2 psi (N-1)/N for stage 0 (unsharded: no padding); stages 1-2 the same for the P
+    # padded elements, 3 P (N-1)/N for stage 3 (fp32: x 4 bytes).
+    assert sent[0] == 2 * 4 * psi * (world - 1) / world
+    assert sent[1] == sent[2] == 2 * 4 * P * (world - 1) / world
+    assert sent[3] == sent[1] * 3 / 2
     # Collectives per step: stages 0-1 keep full gradients to the end of backward, so they
     # reduce every unit's in ONE collective (this model is far below the 4 MiB bucket): one
     # all-reduce for stage 0, one reduce-scatter for stage 1; stage 2 reduce-scatters each unit
@@ -119,8 +149,11 @@ def main(rank: int, world: int, plot: str | None) -> None:
     assert [calls[s] for s in range(4)] == [1, 2, BLOCKS + 1, 3 * BLOCKS], calls
     fastest = int(median.argmin())
     say(f"\nAsserted: memory per rank strictly decreases with the stage ({fmt_bytes(totals[0])} -> "
-        f"{fmt_bytes(totals[3])}) and equals the estimator;\nstages 0-2 send the same bytes, "
-        f"stage 3 sends 1.5x; stage 0 issues 1 collective per step, stage 3 {3 * BLOCKS}.")
+        f"{fmt_bytes(totals[3])})\nand equals the ZeRO formulas with the padding: each "
+        f"parameter's rows padded to a multiple of {world},\n{P - psi:,} elements "
+        f"({100 * (P - psi) / psi:.2f}% of Ψ; the 'padding' column is the difference from the "
+        f"estimator, in bytes).\nStages 1-2 send what stage 0 sends plus the padding, stage 3 "
+        f"1.5x that;\nstage 0 issues 1 collective per step, stage 3 {3 * BLOCKS}.")
     say(f"Timing (not asserted; noisy on a shared CPU): the fastest stage in this run was "
         f"stage {fastest}; stage 3 took {median[3] / median[0]:.2f}x stage 0's time.\n")
 

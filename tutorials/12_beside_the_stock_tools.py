@@ -18,10 +18,11 @@ and asserts how they relate: equal names do not mean equal costs.
         same     the optimizer state is sharded
         differs  DDP all-reduces the FULL gradient, then each rank broadcasts its updated
                  shard: 3 passes per step where stage 1 sends 2 (reduce-scatter, all-gather);
-                 ZeroRedundancyOptimizer's shards are whole parameters, minishard's equal slices
+                 ZeroRedundancyOptimizer's shards are whole parameters, minishard's each
+                 parameter's rows cut in N (FSDP2's layout)
     stage 2 beside FSDP1 SHARD_GRAD_OP and FSDP2 fully_shard(reshard_after_forward=False)
-        same     gradients and optimizer state sharded; FSDP1 sends what stage 2 sends (one
-                 all-gather and one reduce-scatter of the parameters per step)
+        same     gradients and optimizer state sharded; FSDP1 sends the passes stage 2 sends
+                 (one all-gather and one reduce-scatter of the parameters per step)
         differs  between steps FSDP holds parameter SHARDS (torch's docstring: it reshards after
                  backward), minishard's stage 2 the FULL parameters; FSDP2 also reshards after
                  a no_sync backward and gathers again: 3 passes where stage 2 sends 2
@@ -29,9 +30,11 @@ and asserts how they relate: equal names do not mean equal costs.
         same     everything sharded; gathered before forward and before backward, gradients
                  reduce-scattered after it: 5 passes per step here (with no_sync, 2 gathers per
                  micro-batch and one reduce-scatter)
-        differs  FSDP2 pads each parameter's dim 0 (minishard and FSDP1 a unit's flat buffer),
-                 so its passes are longer when N does not divide the rows; both FSDPs keep
-                 some bytes of their own between steps beyond shards and momentum (printed)
+        differs  minishard and FSDP2 cut each parameter along dim 0 and pad its rows to a
+                 multiple of N; FSDP1 cuts a unit's flat buffer and pads its END, so its passes
+                 are shorter when N does not divide the rows (but its shards are 1-D slices
+                 across parameters: no names, shapes or per-parameter freezing); both FSDPs
+                 keep some bytes of their own between steps beyond shards and momentum (printed)
 
 (A pass: one all-gather or reduce-scatter over all the parameters, (N-1)/N x 4 bytes per element
 sent per rank in the ring model; an all-reduce is two passes, a broadcast one.)
@@ -115,7 +118,7 @@ mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     FSDP1      ShardingStrategy.HYBRID_SHARD (stage 3), _HYBRID_SHARD_ZERO2 (stage 2); none for 1
     FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP; stages 2-3)
     DeepSpeed  "zero_optimization": {"stage": 3, "mics_shard_size": S}  (MiCS; hpZ is not this)
-param_groups=[{"params": no_decay, "weight_decay": 0.0}]; AdamW(m.param_groups())
+AdamW(groups over m.named_parameters() as usual, e.g. decay where p.dim() >= 2)  (after wrapping)
     FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
     FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
     DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)
@@ -127,7 +130,7 @@ minishard.ShardedOptimizer(params, torch.optim.AdamW, lr=...)  (ZeRO-1 over para
     FSDP1      ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, lr=...)
     FSDP2      (none: fully_shard's DTensor parameters shard the optimizer state already)
     DeepSpeed  "zero_optimization": {"stage": 1}  (over the engine's model, not parameters)
-m.module.block.requires_grad_(False)  (freeze whole units)
+m.module.block.linear.weight.requires_grad_(False)  (any parameter, also after wrapping)
     FSDP1      use_orig_params=True, then p.requires_grad_(False) (uniform per FSDP unit)
     FSDP2      p.requires_grad_(False) on the DTensor parameters
     DeepSpeed  p.requires_grad_(False) before deepspeed.initialize
@@ -388,9 +391,10 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def padded(world: int) -> dict[str, int]:
-    """Elements one pass over the parameters moves, by each tool's padding rule: minishard and
-    FSDP1 pad a unit's flat buffer to a multiple of N; FSDP2 pads each parameter's dim 0 to a
-    multiple of N; DDP and ZeroRedundancyOptimizer move the parameters as they are."""
+    """Elements one pass over the parameters moves, by each tool's padding rule, from the
+    unwrapped block's shapes: FSDP1 pads a unit's flat buffer to a multiple of N; minishard and
+    FSDP2 pad each parameter's dim 0 to a multiple of N; DDP and ZeroRedundancyOptimizer move
+    the parameters as they are."""
     shapes = [p.shape for p in Block().parameters()]
     per_block = sum(s.numel() for s in shapes)
     return {"plain": BLOCKS * per_block,
@@ -402,10 +406,10 @@ def padded(world: int) -> dict[str, int]:
 # parameters (a pass = one all-gather or reduce-scatter of all of them, (N-1)/N x 4 bytes per
 # element; an all-reduce is two, a broadcast one), and each tool's padding (padded() above).
 PASSES = {0: (2, "plain"), "DDP": (2, "plain"),  # one all-reduce after the last micro-batch
-          1: (2, "flat"), "DDP + ZeroRedundancyOptimizer": (3, "plain"),  # + broadcast of shards
-          2: (2, "flat"), "FSDP1 SHARD_GRAD_OP": (2, "flat"),  # one gather, one reduce-scatter
+          1: (2, "dim0"), "DDP + ZeroRedundancyOptimizer": (3, "plain"),  # + broadcast of shards
+          2: (2, "dim0"), "FSDP1 SHARD_GRAD_OP": (2, "flat"),  # one gather, one reduce-scatter
           "FSDP2 reshard_after_forward=False": (3, "dim0"),  # it reshards after EVERY backward
-          3: (5, "flat"), "FSDP1 FULL_SHARD": (5, "flat"), "FSDP2 fully_shard": (5, "dim0")}
+          3: (5, "dim0"), "FSDP1 FULL_SHARD": (5, "flat"), "FSDP2 fully_shard": (5, "dim0")}
 
 
 def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
@@ -432,7 +436,7 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
             f"{float(sent):>7,.0f}{stocks[name][1]:>7,}   {fmt_calls(our_calls)} | "
             f"{fmt_calls(calls)}")
     held = {k: v[1] for k, v in list(ours.items()) + list(stocks.items())}
-    full_minus_shard = 4 * sizes["flat"] * (world - 1) // world
+    full_minus_shard = 4 * sizes["dim0"] * (world - 1) // world
     # Between steps: DDP keeps its gradient bucket, a full gradient (stage 0 frees its own);
     # the stock stage-2 equivalents reshard after backward (they then hold what their stage 3
     # holds), where minishard's stage 2 keeps the full parameters.
@@ -443,13 +447,15 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
     say(textwrap.fill(
         "Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
         f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ); DDP + ZeroRedundancyOptimizer "
-        "sends 3 passes where stage 1 sends 2; FSDP1 SHARD_GRAD_OP sends what stage 2 sends, "
+        "sends 3 passes where stage 1 sends 2; FSDP1 SHARD_GRAD_OP sends the passes stage 2 sends, "
         "FSDP2 with reshard_after_forward=False a third pass more (it reshards after the no_sync "
         "backward too, and gathers again); between steps both hold what their FULL_SHARD "
         f"holds, while minishard's stage 2 holds {full_minus_shard:,} B more than its stage 3 "
         "(the full parameters); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
-        "micro-batch, 1 reduce-scatter). Where the passes agree, the bytes differ only by padding (FSDP2 pads every "
-        "parameter's dim 0).", 100) + "\n")
+        "micro-batch, 1 reduce-scatter), and stage 3 sends exactly what FSDP2 sends (the same "
+        "layout: every parameter's dim 0 padded to a multiple of N). Where the passes agree, "
+        f"FSDP1 sends less when N does not divide the rows: {sizes['flat']:,} elements a pass "
+        f"against {sizes['dim0']:,} (it pads the end of each flat buffer).", 100) + "\n")
 
 
 def fmt_calls(calls: dict[str, int]) -> str:

@@ -3,8 +3,9 @@
     python -m minishard.exercise clip_grad_norm
 
 Under ZeRO stages 1-3 each rank holds a disjoint piece (a shard) of every gradient: ``grads`` is
-this rank's list of shard gradients (1-D, some possibly empty). Together the ranks' shards are
-the whole gradient, each element exactly once. Do what ``torch.nn.utils.clip_grad_norm_`` does
+this rank's list of shard gradients (its rows of each parameter: ``p.grad`` of the parameters
+``model.parameters()`` yields; 1-D here, some possibly empty). Together the ranks' shards are the
+whole gradient, each element exactly once. Do what ``torch.nn.utils.clip_grad_norm_`` does
 on the unsharded model:
 
     total = sqrt(Σ g² over EVERY element of every rank's shards)        (the 2-norm)

@@ -2,8 +2,11 @@
 
     python -m minishard.exercise reduce_gradient
 
-After backward, every rank holds the FULL flat gradient of a unit, ``full_grad``: ``numel`` real
-elements followed by zero padding, world x k elements in all (k = len(full_grad) // world). The
+After backward, every rank holds the FULL gradient of a unit, ``full_grad``; here the unit is one
+1-D parameter of ``numel`` elements, cut into ``world`` chunks of k = ceil(numel / world) (as in
+shard_layout), so the gradient is ``numel`` real elements followed by zero padding, world x k
+elements in all (k = len(full_grad) // world). (With several parameters the engine first copies
+each rank's chunks side by side, then runs the same reduce-scatter.) The
 optimizer on rank r updates only shard r, and needs the gradient AVERAGED over the ranks (each
 rank saw a different slice of the batch). Return this rank's shard of that average, without the
 padding: a 1-D tensor of the real elements of piece r (possibly 0 of them).

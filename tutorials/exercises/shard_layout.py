@@ -1,21 +1,30 @@
-"""Exercise: where a rank's shard sits in a flat buffer.
+"""Exercise: which rows of each parameter a rank holds (FSDP2's layout, minishard's since issue 26).
 
     python -m minishard.exercise shard_layout
 
-A ZeRO unit's parameters (``numels``: their element counts, in order) are laid end to end in one
-flat buffer, padded at the end so that it divides into ``world`` equal pieces of k elements; rank
-r owns piece r. Return ``(padded_numel, shard_start, shard_real)``:
+A ZeRO unit's parameters have the shapes ``shapes`` (in order). EACH parameter is cut along dim 0
+into ``world`` chunks of c = ceil(R/world) rows (R = its dim-0 size; a 0-dim parameter counts as
+one row of one element): rank r holds rows [r·c, (r+1)·c), clamped to R, so the last ranks hold
+fewer rows, or none. For the collectives every rank's chunk is padded to c rows, and rank r's
+shard puts its padded chunks side by side. Return ``(rows, widths, k)``:
 
-    padded_numel   the length of the padded buffer (the smallest multiple of world that holds all)
-    shard_start    where rank ``rank``'s piece starts in it
-    shard_real     how many of the piece's k elements are real parameters, not padding
+    rows     per parameter, the (row_start, row_stop) this rank holds; a rank with no rows of
+             it: (R, R)
+    widths   per parameter, its padded chunk's size in elements: c x (elements per row), the same
+             on every rank
+    k        the size of this rank's shard: the sum of the widths (the same on every rank)
 
-For parameters of 6, 3 and 5 elements on 4 ranks (minishard/flat.py draws it):
+For a (3, 2), b (3,), c (5,) on 2 ranks (minishard/flat.py draws it):
 
-    full  = [a a a a a a b b b c c c c c | pad pad]      14 real, padded to 16, k = 4
-    rank 3 owns full[12:16] -> (16, 12, 2)
+    rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        a0: row 0 of a (2 elements)
+    rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        _: padding
+    rank 1 -> ([(2, 3), (2, 3), (3, 5)], [4, 2, 3], 9)
+
+Not the concatenation cut in N (FSDP1's and DeepSpeed's layout): that one crosses parameter
+boundaries, and the pieces are no longer rows of a parameter.
 """
 
 
-def shard_layout(numels: list[int], world: int, rank: int) -> tuple[int, int, int]:
-    raise NotImplementedError("pad to a multiple of world, then find this rank's piece")
+def shard_layout(shapes: list[tuple[int, ...]], world: int, rank: int
+                 ) -> tuple[list[tuple[int, int]], list[int], int]:
+    raise NotImplementedError("cut each parameter's rows into world chunks of ceil(R/world)")
