@@ -8,6 +8,7 @@ rank's shards; 0-2: the full buffers), as zeros. Then :func:`materialize` walks
     for each module m with tensors on the meta device:
         allocate m's own tensors on ``device``          (parameters and buffers, not its children's)
         rank 0: fill them with NaN, run param_init_fn(m) or m.reset_parameters()
+                (any storage it allocates starts as NaN too: _NaNStorage)
         rank 0: anything still NaN / untouched?  -> the verdict, broadcast: every rank raises
         broadcast each tensor from rank 0; each rank copies the part it keeps into its
         shard (flat.write_param), keeps the buffers, frees the rest
@@ -52,6 +53,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minishard import comm
 from minishard.meters import WrapMeter, storage_bytes
@@ -161,7 +163,7 @@ def _initialise(name, module, own, targets, deferred, meter):
     init = deferred.param_init_fn or _reset_parameters
     error = None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _NaNStorage():
             init(module)
     except Exception as exc:  # tell the other ranks, rather than leave them waiting
         who = "param_init_fn" if deferred.param_init_fn else "reset_parameters()"
@@ -174,6 +176,20 @@ def _initialise(name, module, own, targets, deferred, meter):
     if error is None:
         error = _unwritten(name, module, own, targets, values, before, deferred)
     return values, error
+
+
+class _NaNStorage(TorchDispatchMode):
+    """While an initialiser runs, fresh floating storage (``torch.empty``, ``to_empty``,
+    ``new_empty``) is NaN, not whatever memory held: an initialiser that only allocates leaves
+    NaN behind, and :func:`_was_written` catches it."""
+    _FRESH = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+              torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in self._FRESH and (out.is_floating_point() or out.is_complex()):
+            out.fill_(float("nan"))
+        return out
 
 
 def _reset_parameters(module: nn.Module) -> None:

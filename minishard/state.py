@@ -131,9 +131,8 @@ def _save_shards(path, model, optimizer, overwrite: bool) -> None:
 
     # 3. meta.pt, last.
     if rank == 0:
-        meta = _meta(model, optimizer, world, table, groups)
-        try:
-            atomic_save(meta, meta_file)
+        try:  # building meta.pt may raise too: the other ranks wait below for rank 0's word
+            atomic_save(_meta(model, optimizer, world, table, groups), meta_file)
         except Exception as exc:
             error = exc
     raise_together(error, [group], "checkpoint: meta written", CheckpointError(

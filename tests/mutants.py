@@ -84,6 +84,22 @@ MUTANTS = {
         "find_unused_parameters: a unit NO rank used keeps the zeros reduced into it as its grad",
         [("minishard/reductions.py", "                    p.grad = grad", "                    pass")],
         ["tests/test_unused_by_all.py"]),
+    "checkpoint_keeps_current_hyperparameters": (
+        "load_checkpoint keeps the optimizer's current hyperparameters instead of the saved groups'",
+        [("minishard/state.py", '            ({k: v for k, v in saved.items() if k != "names"},',
+          '            ({k: v for k, v in group.items() if k != "params"},')],
+        ["tests/test_state.py::test_param_groups_by_dim_survive_a_checkpoint_and_the_export"]),
+    "deferred_init_on_global_rank_0": (
+        "deferred init runs the initialiser on global rank 0, not the group's rank 0 (a group "
+        "without global rank 0 then broadcasts uninitialised memory)",
+        [("minishard/deferred_init.py", "        if comm.group_rank(group) == 0:",
+          "        if torch.distributed.get_rank() == 0:")],
+        ["tests/test_deferred_init.py::test_deferred_init_on_a_group_without_global_rank_0"]),
+    "deferred_init_allocations_not_nan": (
+        "storage an initialiser allocates holds whatever memory held (an allocate-only "
+        "param_init_fn trains on garbage)",
+        [("minishard/deferred_init.py", '            out.fill_(float("nan"))', "            pass")],
+        ["tests/test_deferred_init.py::test_unwritten_meta_tensor_is_an_error_on_every_rank"]),
     "find_unused_launches_during_backward": (
         "find_unused_parameters: reductions launched as they become ready (ranks that ran "
         "different branches then deadlock against SyncBatchNorm's backward all-reduce)",

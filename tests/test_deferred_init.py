@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
 from minishard import ZeRO
@@ -195,6 +195,27 @@ def test_deferred_init_equals_eager_build_and_trains_like_it(pools, spec, stage,
     assert results == [[]] * world, results
 
 
+def deferred_on_a_group_without_rank_0(spec, stage, units):
+    """Global ranks 1 and 2 wrap over their own group; global rank 0 is not in it. The group's
+    rank 0 (global 1) initialises and broadcasts: the eager build seeded as it is."""
+    group = dist.new_group([1, 2])  # every rank creates it; only its members use it
+    if dist.get_rank() == 0:
+        return []
+    with torch.device("meta"):
+        module = Net(spec)
+    torch.manual_seed(spec["seed"] if dist.get_rank() == 1 else spec["seed"] + 7919)
+    model = ZeRO(module, stage=stage, units=UNITS[units], process_group=group, device="cpu")
+    torch.manual_seed(spec["seed"])
+    return mismatches(model.full_state_dict(), Net(spec).state_dict(), "group [1, 2]")
+
+
+@settings(max_examples=8)
+@given(spec=specs(), stage=st.sampled_from(STAGES), units=st.sampled_from(list(UNITS)))
+def test_deferred_init_on_a_group_without_global_rank_0(pools, spec, stage, units):
+    results = pools(3).run(deferred_on_a_group_without_rank_0, spec, stage, units)
+    assert results == [[]] * 3, results
+
+
 # ============================================================== 2. param_init_fn, mixed models
 def small_init(module: nn.Module) -> None:
     """An initialiser in FSDP1's style: only the module's OWN tensors, cased on its type."""
@@ -286,6 +307,9 @@ class Custom(nn.Module):
             self.mask.fill_(True)
         elif self.kind == "int-untouched":
             self.scale.fill_(1.0)
+        elif self.kind == "allocate":  # fresh storage, never written (defect 4 of issue 28)
+            self.to_empty(device="cpu", recurse=False)
+            self.mask.fill_(True)
         else:  # "rope": Custom's own tensors are fine, Rotary's buffer is lost
             self.scale.fill_(1.0)
             self.mask.fill_(True)
@@ -305,11 +329,13 @@ EXPECTED = {"partial": ["parameter scale", "'<root>'", "Custom"],
             "raises": ["'<root>'", "ValueError: a broken initialiser"],
             "shape": ["parameter scale", "(5,)"],
             "int-untouched": ["buffer mask", "'<root>'"],
+            "allocate": ["parameter scale", "'<root>'"],
             "rope": ["buffer rope.inv_freq", "'rope'", "Rotary has no reset_parameters()"]}
 
 
 @given(kind=st.sampled_from(list(EXPECTED)), stage=st.sampled_from(STAGES),
        world=st.sampled_from(WORLD_SIZES))
+@example(kind="allocate", stage=3, world=2)
 def test_unwritten_meta_tensor_is_an_error_on_every_rank(pools, kind, stage, world):
     results = pools(world).run(wrap_broken, kind, stage)
     for r, message in enumerate(results):

@@ -6,6 +6,7 @@ global batch (from the step's seed) split evenly over whoever runs it, so world 
 nothing but the order of floating-point sums (float64 keeps that below 1e-12).
 """
 import os
+import unittest.mock
 import uuid
 
 import pytest
@@ -444,3 +445,83 @@ def test_export_keeps_the_order_of_a_module_mixing_frozen_and_trainable(pools):
     truth = [n for n, _ in Interleaved().named_parameters()]  # w, b, c
     assert pools(2).run(export_interleaved, truth)[0] == {1: (4,)}      # b is parameter 1
     assert pools(2).run(export_interleaved, None)[0] == {1: (4,)}       # recorded at wrap time
+
+# ------------------------------------------------- param groups by dimension, through a checkpoint
+def grouped_optimizer(opt_name, module):
+    """nanoGPT's groups, formed after wrapping from the module's own parameters: decay where
+    ``p.dim() >= 2``, none (and another learning rate) elsewhere."""
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    rest = [p for p in module.parameters() if p.dim() < 2]
+    return OPTIMIZERS[opt_name]([{"params": decay},
+                                 {"params": rest, "weight_decay": 0.0, "lr": 0.02}])
+
+
+def grouped_save(stage, opt_name, ckpt):
+    world, rank = ws_rank()
+    torch.manual_seed(0)
+    model = ZeRO(Net().double(), stage=stage, units=(Block, Gate))
+    opt = grouped_optimizer(opt_name, model.module)
+    train(model, opt, range(2), world, rank)
+    save_checkpoint(ckpt, model, opt)
+    return full_optimizer_state_dict(model, opt)
+
+
+def grouped_resume(stage, opt_name, ckpt):
+    world, rank = ws_rank()
+    torch.manual_seed(5)  # other values: the load must replace them
+    model = ZeRO(Net().double(), stage=stage, units=(Block, Gate))
+    opt = grouped_optimizer(opt_name, model.module)
+    opt.param_groups[1]["lr"] = 0.5  # and other hyperparameters: the saved ones come back
+    load_checkpoint(ckpt, model, opt)
+    train(model, opt, range(2, 4), world, rank)
+    return model.full_state_dict(), [{k: v for k, v in g.items() if k != "params"}
+                                     for g in opt.param_groups]
+
+
+@settings(max_examples=8)
+@given(a=st.integers(1, 4), b=st.integers(1, 4), stage_a=st.integers(0, 3),
+       stage_b=st.integers(0, 3), opt_name=st.sampled_from(sorted(OPTIMIZERS)))
+@example(a=3, b=2, stage_a=3, stage_b=1, opt_name="adam")
+def test_param_groups_by_dim_survive_a_checkpoint_and_the_export(pools, tmp_path, a, b, stage_a,
+                                                                 stage_b, opt_name):
+    """Groups by dimension (their hyperparameters and which parameters each holds) saved at one
+    world size and stage, resumed at another, against the plain module with the same groups on
+    the global batch; the full optimizer export with groups is torch's own state dict of it."""
+    ckpt = fresh(tmp_path)
+    osd = pools(a).run(grouped_save, stage_a, opt_name, ckpt)[0]
+    resumed = pools(b).run(grouped_resume, stage_b, opt_name, ckpt)
+    torch.manual_seed(0)
+    plain = Net().double()
+    plain_opt = grouped_optimizer(opt_name, plain)
+    train(plain, plain_opt, range(2))
+    expected = plain_opt.state_dict()
+    assert osd["param_groups"] == expected["param_groups"]
+    for i, state in expected["state"].items():
+        for key in state:
+            torch.testing.assert_close(osd["state"][i][key], state[key], rtol=1e-9, atol=1e-12)
+    train(plain, plain_opt, range(2, 4))
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in plain_opt.param_groups]
+    for sd, groups in resumed:
+        assert groups == hyper
+        assert_same_state(sd, plain.state_dict(), rtol=1e-9, atol=1e-12)
+
+
+def meta_fails_on_rank_0(ckpt):
+    """meta.pt cannot be built on rank 0: every rank raises, none waits forever."""
+    import minishard.state
+    model, opt = make(2, "adam")
+    with unittest.mock.patch.object(minishard.state, "_meta", side_effect=RuntimeError("disk full")):
+        try:
+            save_checkpoint(ckpt, model, opt)
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+            return type(exc).__name__, str(exc)
+    return None
+
+
+def test_a_failure_building_meta_on_rank_0_raises_on_every_rank(pools, tmp_path):
+    ckpt = fresh(tmp_path)
+    results = pools(3).run(meta_fails_on_rank_0, ckpt)
+    assert results[0] == ("RuntimeError", "disk full"), results
+    for r in (1, 2):
+        assert results[r][0] == "CheckpointError" and "rank 0 could not write" in results[r][1]
+    assert not os.path.exists(os.path.join(ckpt, "meta.pt"))  # incomplete, as it must read
