@@ -12,12 +12,14 @@ concatenation of every rank's rows, with a stock ``torch.optim`` optimizer. What
              before wrapping (not the head: every rank needs a loss to call backward on); fp32, fp64, or fp32 with one fp64 block
   training   stages 0-3, prefetch or not; SGD(momentum) / Adam / AdamW(weight_decay), optionally
              with a second param group (biases: no weight decay, half the lr) given to the engine
-             by the original Parameters (``ZeRO(param_groups=...)``); world sizes 1-4 with uneven
+             by the original Parameters (``ZeRO(param_groups=...)``) or formed by name over
+             ``model.module`` after wrapping, as any torch optimizer's; world sizes 1-4 with uneven
              per-rank batches, an empty rank included (BatchNorm is minishard's SyncBatchNorm on
              the engine's side, so statistics are global, as the oracle's are); blocks skipped on
              some steps (the same on every rank; or, with ``find_unused_parameters=True`` at
-             stages 0-2, different blocks on different ranks); a whole block frozen AFTER
-             wrapping through its original name at some step, and unfrozen at a later one
+             stages 0-2, different blocks on different ranks); a whole block, or only its
+             lin.weight, frozen AFTER wrapping through its original name at some step, and
+             unfrozen at a later one
 
 The loss is a global mean: rank r's loss is its SUM of squared errors times W / (N * out) (W
 ranks, N rows in all), so the engine's average of the ranks' gradients is the gradient of the
@@ -190,10 +192,11 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, 
                 units=draw(st.sampled_from([None, "blocks", "nested"])),
                 stage=draw(st.sampled_from([0, 1, 2, 3])), prefetch=draw(st.booleans()),
                 world=draw(st.integers(1, 4)), opt=draw(st.sampled_from(sorted(OPTIMIZERS))),
-                groups=draw(st.booleans()) if groups else False)
+                groups=draw(st.sampled_from([None, "at wrap", "after"])) if groups else None)
     blocks = range(depth)
     spec["bn"] = draw(st.sets(st.sampled_from(blocks))) if bn else set()
-    spec["groups"] &= spec["bias"] or bool(spec["bn"])  # the second group lists the biases
+    if not (spec["bias"] or spec["bn"]):  # the second group lists the biases
+        spec["groups"] = None
     spec["inner"] = draw(st.sets(st.sampled_from(blocks)))
     pairs = [(a, b) for a in blocks for b in blocks if a < b]
     same_dtype = [(a, b) for a, b in pairs if spec["dtype"] != "mixed" or depth - 1 not in (a, b)]
@@ -228,7 +231,8 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, 
     if freeze_after and free and draw(st.booleans()):
         k1 = draw(st.integers(0, STEPS - 1))
         k2 = draw(st.none() | st.integers(k1 + 1, STEPS))
-        spec["freeze_after"] = (draw(st.sampled_from(free)), k1, k2)
+        spec["freeze_after"] = (draw(st.sampled_from(free)), k1, k2,
+                                draw(st.sampled_from([None, "lin.weight"])))  # one parameter
     rows = draw(st.lists(st.integers(0, 3), min_size=spec["world"], max_size=spec["world"]))
     # BatchNorm needs two rows in all (an empty rank is fine); with exactly two its output is
     # +-1 whatever the input, so every gradient before it is noise: at least four rows then
@@ -270,19 +274,20 @@ def train_and_compare(spec: dict) -> list[str]:
     start = sum(rows[:rank])
     net = minishard.convert_sync_batchnorm(build(spec))
     kwargs = {}
-    if spec["groups"]:
+    if spec["groups"] == "at wrap":
         kwargs["param_groups"] = second_group(spec, net)
     if spec["find_unused"]:
         kwargs["find_unused_parameters"] = True
     model = ZeRO(net, stage=spec["stage"], units=unit_arg(spec["units"]),
                  prefetch=spec["prefetch"], **kwargs)
-    opt = make_optimizer(spec, model.param_groups() if spec["groups"] else model.parameters())
-
     oracle = build(spec)
-    oracle_opt = make_optimizer(spec, second_group(spec, oracle) + [
-        {"params": [p for p in oracle.parameters()
-                    if all(p is not q for q in bias_params(oracle))]}]
-        if spec["groups"] else oracle.parameters())
+    both = (model.module, oracle) if spec["groups"] == "after" else (oracle,)
+    groups = [second_group(spec, m) + [{"params": [p for p in m.parameters()
+                                                   if all(p is not q for q in bias_params(m))]}]
+              for m in both]  # formed by name, like any torch optimizer's, after wrapping too
+    opt = make_optimizer(spec, groups[0] if spec["groups"] == "after" else
+                         model.param_groups() if spec["groups"] else model.parameters())
+    oracle_opt = make_optimizer(spec, groups[-1] if spec["groups"] else oracle.parameters())
     lr_of = {id(p): g["lr"] for g in oracle_opt.param_groups for p in g["params"]}
     names = [n for n, _ in oracle.named_parameters(remove_duplicate=False)]
     param_of = dict(oracle.named_parameters(remove_duplicate=False))
@@ -296,10 +301,11 @@ def train_and_compare(spec: dict) -> list[str]:
     for step in range(STEPS):
         where = f"rank {rank} step {step}"
         if spec["freeze_after"] is not None:
-            block, k1, k2 = spec["freeze_after"]
+            block, k1, k2, part = spec["freeze_after"]
             if step in (k1, k2):
                 for m in (model.module, oracle):
-                    m.blocks[block].requires_grad_(step == k2)
+                    what = m.blocks[block] if part is None else m.blocks[block].get_parameter(part)
+                    what.requires_grad_(step == k2)
         skips = spec["rank_skips"][step] or [spec["skips"][step]] * world
         xg, yg = data(spec, step, rows)
         x, y = xg[start:start + rows[rank]], yg[start:start + rows[rank]]
