@@ -200,13 +200,14 @@ class FlatBuffer:
         return self.params
 
     def views(self, detached: bool = False) -> list[torch.Tensor]:
-        """The parameters, shaped as the module expects, as views of ``full`` (autograd-aware
-        unless ``detached``; a frozen parameter's view is detached: it gets no gradient)."""
+        """The parameters as views of ``full`` (detached if frozen or ``detached``): ONE split
+        into [p1, pad1, p2, ...], whose backward fills ``full.grad`` in one pass (a slice each
+        would build a zero full-size gradient per parameter)."""
+        sizes = [size for n, w in zip(self.numels, self.widths) for size in (n, self.ranks * w - n)]
         out = []
-        for j, shape in enumerate(self.shapes):
-            v = self._region(self.full, j)[:self.numels[j]].view(shape)
+        for j, (piece, shape) in enumerate(zip(torch.split(self.full, sizes)[::2], self.shapes)):
             frozen = self.params and not self.params[j].requires_grad
-            out.append(v.detach() if frozen or detached else v)
+            out.append(piece.detach().view(shape) if frozen or detached else piece.view(shape))
         return out
 
     def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
