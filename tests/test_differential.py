@@ -17,9 +17,9 @@ concatenation of every rank's rows, with a stock ``torch.optim`` optimizer. What
              per-rank batches, an empty rank included (BatchNorm is minishard's SyncBatchNorm on
              the engine's side, so statistics are global, as the oracle's are); blocks skipped on
              some steps (the same on every rank; or, with ``find_unused_parameters=True`` at
-             stages 0-2, different blocks on different ranks); a whole block, or only its
-             lin.weight, frozen AFTER wrapping through its original name at some step, and
-             unfrozen at a later one
+             stages 0-2, different blocks on different ranks, sometimes one that NO rank runs
+             in a step); a whole block, or only its lin.weight, frozen AFTER wrapping through
+             its original name at some step, and unfrozen at a later one
 
 The loss is a global mean: rank r's loss is its SUM of squared errors times W / (N * out) (W
 ranks, N rows in all), so the engine's average of the ranks' gradients is the gradient of the
@@ -227,6 +227,9 @@ def specs(draw, share=True, skip=True, freeze_after=True, groups=True, bn=True, 
     spec["rank_skips"] = [[frozenset(draw(st.sets(st.sampled_from(free))))
                            for _ in range(spec["world"])] if spec["find_unused"] else None
                           for _ in range(STEPS)]
+    if spec["find_unused"] and draw(st.booleans()):  # a block NO rank runs in one step: its
+        s, b = draw(st.integers(0, STEPS - 1)), draw(st.sampled_from(free))  # grad stays None
+        spec["rank_skips"][s] = [skip | {b} for skip in spec["rank_skips"][s]]
     spec["freeze_after"] = None
     if freeze_after and free and draw(st.booleans()):
         k1 = draw(st.integers(0, STEPS - 1))
