@@ -52,6 +52,7 @@ from minishard import checkpoint_files, comm
 from minishard.checkpoint_files import (FORMAT_VERSION, META, CheckpointError, atomic_save,
                                         check_checkpoint, checkpoint_path, latest_checkpoint,
                                         saved_rows, shard_file_name)
+from minishard.dcp_checkpoint import is_dcp_checkpoint, read_dcp, save_dcp
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
                                   hyperparameters, load_full_optimizer_state_dict, named_params,
                                   original_parameter_names, split_state, torch_optimizer_state)
@@ -64,8 +65,13 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_che
 
 # ------------------------------------------------------------------------------------- save
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
-                    overwrite: bool = False) -> None:
+                    overwrite: bool = False, format: str = "minishard") -> None:
     """Save ``model`` (a ``minishard.ZeRO``) and its ``optimizer`` into the directory ``path``.
+
+    ``format="minishard"``: the rank files and meta.pt described above. ``format="dcp"``: a
+    torch.distributed.checkpoint directory holding ``{"model": ..., "optim": ...}`` exactly as
+    FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them, which FSDP2 and
+    torchtitan load (dcp_checkpoint.py). :func:`load_checkpoint` reads either.
 
     Collective. Every rank writes its own file; then they tell rank 0 the size and sha256 of
     what they wrote (an all-gather, which is also the barrier: it cannot finish before every
@@ -78,13 +84,17 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     (replicate rank 0) writes, one file per rank of its shard group; the others wait for it
     and raise if it failed. The files are those of S ranks: load them at any world size.
     """
+    writers = {"minishard": _save_shards, "dcp": save_dcp}
+    if format not in writers:
+        raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
+    write, path = writers[format], os.fspath(path)
     replicas = getattr(model, "replicate_group", None)
     if replicas is None:
-        return _save_shards(path, model, optimizer, overwrite)
+        return write(path, model, optimizer, overwrite)
     error = None
     if comm.group_rank(replicas) == 0:
         try:
-            _save_shards(path, model, optimizer, overwrite)
+            write(path, model, optimizer, overwrite)
         except Exception as exc:  # still join the all-reduce below, or the replicas would hang
             error = exc
     raise_together(error, [replicas], "checkpoint: first replica done", CheckpointError(
@@ -255,8 +265,16 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     them, and concatenates the overlapping rows of the values and of the optimizer state (see
     the module docstring). Every check happens before anything changes: if
     any rank cannot load, all ranks raise and the model and optimizer are left as they were.
+
+    A torch.distributed.checkpoint directory (``.metadata`` in it: saved by FSDP2, torchtitan or
+    ``format="dcp"``) is read the same way, by DCP (dcp_checkpoint.py); the metadata returned is
+    then ``{"format": "dcp", "param_groups": [the saved groups]}``.
     """
     path, group = os.fspath(path), model.group
+    if is_dcp_checkpoint(path):
+        masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
+        _apply(model, optimizer, masters, buffers, optim_sd)
+        return {"format": "dcp", "param_groups": saved_groups}
     error = None
     try:
         meta = check_checkpoint(path, checksums=False)  # sha256 is checked as each file is read
@@ -282,17 +300,21 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
                        f"another rank could not load {path} (its error names the problem); "
                        "nothing was loaded"))
 
-    # Everything checked: now change the model. Writing a parameter bumps its version, so the
-    # next forward would re-gather the full parameters anyway (flat.py: is_stale).
+    _apply(model, optimizer, masters, meta["buffers"], optim_sd)
+    return meta
+
+
+def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None) -> None:
+    """Everything checked: now change the model. Writing a parameter bumps its version, so the
+    next forward would re-gather the full parameters anyway (flat.py: is_stale)."""
     with torch.no_grad():
         for p, values in masters:
             p.copy_(values.to(p.dtype).reshape(p.shape))
-        for name, buf in buffer_state(model.module).items():  # keys checked above
-            buf.copy_(meta["buffers"][name])
+        for name, buf in buffer_state(model.module).items():  # keys checked by the reader
+            buf.copy_(buffers[name])
     if optimizer is not None:
         optimizer.load_state_dict(optim_sd)
     model.refresh_full_params()  # stages 0-2 re-gather, one unit at a time; stage 3 when it runs
-    return meta
 
 
 class _ShardFiles:

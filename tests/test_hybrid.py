@@ -285,11 +285,11 @@ def oracle_four_steps(spec, stage, opt_name):
     return ref.state_dict()
 
 
-def save_on(shape, spec, stage, units, opt_name, ckpt):
+def save_on(shape, spec, stage, units, opt_name, ckpt, format="minishard"):
     model = ZeRO(build(spec), stage=stage, units=unit_arg(units), mesh=mesh_of(shape))
     opt = make_opt(opt_name, model.parameters())
     _train(model, opt, spec, range(2))
-    save_checkpoint(ckpt, model, opt)
+    save_checkpoint(ckpt, model, opt, format=format)
     return sorted(os.listdir(ckpt))
 
 
@@ -321,6 +321,20 @@ def test_checkpoint_saved_on_2x2_resumes_on_1x4_4x1_and_2_ranks(pools, tmp_path,
         results = pools(4).run(load_on, shape, CKPT_SPEC, stage_b, units, opt_name, ckpt)
         assert results == [[]] * 4, results
     results = pools(2).run(load_on, None, CKPT_SPEC, stage_b, units, opt_name, ckpt)
+    assert results == [[]] * 2, results
+
+
+@pytest.mark.parametrize("stage, stage_b", [(3, 3), (1, 0), (0, 2)])
+def test_dcp_checkpoint_saved_on_2x2_resumes_on_4x1_and_2_ranks(pools, tmp_path, stage, stage_b):
+    """The same in torch.distributed.checkpoint's format (dcp_checkpoint.py): stages 1-3, the
+    first replica writes its shard group's rows; stage 0, every rank its rows of the 4."""
+    ckpt = str(tmp_path / f"ckpt-{uuid.uuid4().hex[:8]}")
+    files = pools(4).run(save_on, (2, 2), CKPT_SPEC, stage, "blocks", "adam", ckpt, "dcp")[0]
+    n_files = 4 if stage == 0 else 2
+    assert files == sorted([".metadata"] + [f"__{r}_0.distcp" for r in range(n_files)])
+    results = pools(4).run(load_on, (4, 1), CKPT_SPEC, stage_b, "blocks", "adam", ckpt)
+    assert results == [[]] * 4, results
+    results = pools(2).run(load_on, None, CKPT_SPEC, stage_b, "blocks", "adam", ckpt)
     assert results == [[]] * 2, results
 
 

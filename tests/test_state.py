@@ -387,7 +387,7 @@ def test_full_optimizer_state_dict_resumes_a_plain_model(pools, ws, stage, other
 
 
 # ------------------------------------------------------------------------ exact round trip
-def snapshot(stage, mixed, ckpt=None, load=False):
+def snapshot(stage, mixed, ckpt=None, load=False, format="minishard"):
     """Full params and optimizer state of a model trained 2 steps (then saved), or of a fresh
     model loaded from ``ckpt``."""
     from minishard import MixedPrecision
@@ -400,7 +400,7 @@ def snapshot(stage, mixed, ckpt=None, load=False):
         load_checkpoint(ckpt, model, opt)
     else:
         train(model, opt, range(2), world, rank)
-        save_checkpoint(ckpt, model, opt)
+        save_checkpoint(ckpt, model, opt, format=format)
     return model.full_state_dict(), full_optimizer_state_dict(model, opt)
 
 
