@@ -20,6 +20,7 @@ features, each in its own file:
   trace.py           model.trace(path): every rank's schedule as one Chrome trace; draw() a PNG
   verdicts.py        every rank raises together, or none does
   state.py           checkpoints: per-rank shard files, atomic, reshardable (checkpoint_files.py)
+  dcp_checkpoint.py  checkpoints in torch.distributed.checkpoint's format: both ways with FSDP2
   memory.py          the ZeRO memory formulas and terminal charts; plan.py, the estimator CLI
   sharded_optimizer.py  ShardedOptimizer: ZeRO-1 over parameters (torch's ZeroRedundancyOptimizer)
   testing.py         RankPool: warm gloo ranks for tests

@@ -107,6 +107,19 @@ MUTANTS = {
           "            self._used.add(id(flat))  # launched at the end of backward, in the fixed order",
           "            self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
+    "dcp_keeps_current_hyperparameters": (
+        "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
+        [("minishard/dcp_checkpoint.py",
+          "for s, st in zip(saved_groups, states)), saved_groups",
+          "for s, st in zip([hyperparameters(g) for g in optimizer.param_groups], states)), "
+          "saved_groups")],
+        ["tests/test_dcp.py::test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size"]),
+    "dcp_scalars_from_any_rank": (
+        "DCP dedups a value every rank saves (a 0-dim parameter, Adam's step) to ANY rank, "
+        "not the lowest, which alone holds a 0-dim parameter at stages 1-3",
+        [("minishard/dcp_checkpoint.py", "planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True)",
+          "planner=DefaultSavePlanner()")],
+        ["tests/test_dcp.py::test_dcp_round_trip_of_a_0_dim_parameter_with_and_without_optimizer"]),
 }
 
 

@@ -32,8 +32,8 @@ from test_state import (Block, Gate, Net, assert_same_state, fresh, load_and_fin
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+def adamw(params, lr=0.01):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
 
 # ----------------------------------------------------------------------------- FSDP2's side
@@ -87,10 +87,10 @@ def fsdp2_load_and_step(ckpt, step=2):
 
 
 # ------------------------------------------------------------------------- minishard's side
-def minishard(stage, seed):
+def minishard(stage, seed, lr=0.01):
     torch.manual_seed(seed)
     model = ZeRO(Net().double(), stage=stage, units=(Block, Gate))
-    return model, adamw(model.parameters())
+    return model, adamw(model.parameters(), lr)
 
 
 def minishard_train_and_save(ckpt, stage, steps=2):
@@ -103,7 +103,7 @@ def minishard_train_and_save(ckpt, stage, steps=2):
 
 def minishard_load_and_step(ckpt, stage, step=2):
     world, rank = ws_rank()
-    model, opt = minishard(stage, seed=99)
+    model, opt = minishard(stage, seed=99, lr=0.5)  # the checkpoint's lr must replace it
     meta = load_checkpoint(ckpt, model, opt)
     loaded = model.full_state_dict(), full_optimizer_state_dict(model, opt)
     train(model, opt, [step], world, rank)
@@ -162,6 +162,30 @@ def test_minishard_checkpoint_loads_into_fsdp2_at_another_world_size(pools, tmp_
     assert_same_state(loaded_sd, model_sd, rtol=0, atol=0)
     assert_same_optimizer_state(by_index(loaded_osd), osd)
     assert_same_state(after, oracle)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_every_rank_writes_only_its_rows(pools, tmp_path, stage):
+    """No rank holds or writes the whole model: in DCP's own metadata, the rows of every
+    parameter and of its Adam state are written by the rank that holds them, FSDP2's Shard(0)
+    cut (at stage 0 too, where every rank holds everything)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    ckpt = fresh(tmp_path)
+    model_sd, _ = pools(3).run(minishard_train_and_save, ckpt, stage)[0]
+    metadata = FileSystemReader(ckpt).read_metadata()
+    written = {}
+    for index, info in metadata.storage_data.items():
+        written.setdefault(index.fqn, []).append((info.relative_path, tuple(index.offset or ())))
+    params = dict(Net().named_parameters(remove_duplicate=False))  # a tied weight: both names
+    for key, chunks in written.items():
+        name = key.removeprefix("model.").removeprefix("optim.state.").rsplit(".", 1)[0] \
+            if key.startswith("optim.") else key.removeprefix("model.")
+        if name not in params or params[name].dim() == 0 or key.endswith(".step"):
+            assert [f for f, _ in chunks] == ["__0_0.distcp"], key  # scalars, buffers: rank 0
+            continue
+        rows, c = params[name].shape[0], -(-params[name].shape[0] // 3)
+        expected = [(f"__{r}_0.distcp", r * c) for r in range(3) if r * c < rows]
+        assert sorted((f, o[0]) for f, o in chunks) == expected, key
 
 
 def oracle_and_save_dcp(stage, opt_name, ckpt):

@@ -20,7 +20,13 @@ Everything a real loop needs, each piece with the reason it is there:
   * a checkpoint: one file per rank plus meta.pt written last (atomic), reloadable at another
     world size. The first half of the ranks train, save, and carry on to make a reference; then
     ALL ranks load the checkpoint (resharded to the new world size) and must reach the same
-    parameters.
+    parameters;
+  * the same checkpoint for the tools you go on to: ``format="dcp"`` writes a
+    torch.distributed.checkpoint directory, the one FSDP2 and torchtitan write, each parameter
+    under its own name, each rank only its rows. Part 3 saves the resumed model that way and
+    loads it into FSDP2 with torch's own calls (``get_state_dict``, ``dcp.load``,
+    ``set_state_dict``): FSDP2's parameters must equal minishard's bit for bit.
+    ``minishard.load_checkpoint`` reads such a directory too, whoever wrote it.
 """
 import contextlib
 import math
@@ -213,9 +219,40 @@ def main(rank: int, world: int) -> None:
             "  Look for: two forward/backward passes (micro-batches), 'reduce' spans only in the\n"
             "  second (the first ran under no_sync), bf16 gathers (args: dtype, bytes_sent), then\n"
             "  clip_grad_norm_'s all-reduce in 'collectives', AdamW.step, the loss all-reduce.")
-    dist.barrier()  # every rank has read the checkpoint: now it may go
+    to_fsdp2(model, opt, os.path.join(root, "dcp"), say)
+    dist.barrier()  # every rank has read the checkpoints: now it may go
     if rank == 0:
         shutil.rmtree(root)
+
+
+def to_fsdp2(model, opt, path: str, say) -> None:
+    """Part 3: minishard's model and optimizer, saved in DCP's format and loaded by FSDP2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    say("\n3. The same model as a DCP checkpoint, loaded by FSDP2.")
+    minishard.save_checkpoint(path, model, opt, format="dcp", overwrite=True)
+    say(f"   saved {path}: {sorted(os.listdir(path))}")
+    torch.manual_seed(1)  # other initial values: the load must replace every one of them
+    module = nn.Sequential(*[Block() for _ in range(3)], nn.Linear(32, 1))
+    for block in module[:3]:
+        fully_shard(block)
+    fully_shard(module)
+    fsdp_opt = torch.optim.AdamW(module.parameters(), lr=3e-3, weight_decay=0.01)
+    model_sd, optim_sd = get_state_dict(module, fsdp_opt)  # the keys and shards FSDP2 wants
+    content = {"model": model_sd, "optim": optim_sd}
+    dcp.load(content, checkpoint_id=path)  # each rank reads only the chunks its shards need
+    set_state_dict(module, fsdp_opt, model_state_dict=content["model"],
+                   optim_state_dict=content["optim"])
+    ours, our_state = model.full_state_dict(), minishard.full_optimizer_state_dict(model, opt)
+    for i, (name, p) in enumerate(module.named_parameters()):  # the export's order
+        assert torch.equal(p.full_tensor(), ours[name]), name
+        theirs, mine = fsdp_opt.state[p], our_state["state"][i]
+        assert torch.equal(theirs["step"], mine["step"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(theirs[key].full_tensor(), mine[key]), (name, key)
+    say(f"   FSDP2 loaded it: {len(ours)} parameters under their own names and their AdamW "
+        "state\n   (step, exp_avg, exp_avg_sq), equal to minishard's bit for bit.")
 
 
 if __name__ == "__main__":
