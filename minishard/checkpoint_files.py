@@ -10,6 +10,11 @@ Every file is written to a temporary name in the same directory, flushed to disk
 ``os.replace``-d into place (:func:`atomic_save`), so a file is either absent or whole; every
 file is read back with ``torch.load(..., weights_only=True)`` (:func:`read_checked`): loading a
 checkpoint never runs code from it. Nothing here is collective.
+
+A torch.distributed.checkpoint (DCP) directory (dcp_checkpoint.py) is recognised by its
+``.metadata``, which DCP writes last and atomically: it is COMPLETE iff ``.metadata`` is
+readable and every data file holds the bytes it records (:func:`check_dcp`). ``.metadata`` is a
+pickle, read here through an allow-list (:class:`SafeDCPReader`) for the same promise.
 """
 from __future__ import annotations
 
@@ -20,11 +25,15 @@ import pickle
 import re
 
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from minishard.flat import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
-           "saved_rows", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint"]
+           "saved_rows", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
+           "DCP_METADATA", "SafeDCPReader", "check_dcp"]
+
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
 
 # 1: slices of the flat buffers (before parameters kept their names); 2: rows of each parameter
 FORMAT_VERSION = 2
@@ -114,10 +123,15 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     """Return the metadata of the checkpoint at ``path`` if it is complete; otherwise raise a
     :class:`CheckpointError` that names what is wrong. Complete: meta.pt exists, is readable, and
     every rank file it lists exists with the recorded size (and sha256, with ``checksums``).
-    Not collective: any process may call it."""
+    A torch.distributed.checkpoint directory (``.metadata``): complete when ``.metadata`` is
+    readable and every data file holds the bytes it records (DCP keeps no checksums); returns
+    ``{"format": "dcp"}``. Not collective: any process may call it."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: no such directory")
+    if os.path.isfile(os.path.join(path, DCP_METADATA)):  # torch.distributed.checkpoint's
+        check_dcp(path)
+        return {"format": "dcp"}
     meta_file = os.path.join(path, META)
     if not os.path.exists(meta_file):
         raise CheckpointError(
@@ -183,3 +197,64 @@ def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str |
         except CheckpointError:
             continue
     return None
+
+
+# ------------------------------------------ torch.distributed.checkpoint's directories (DCP)
+def check_dcp(path: str):
+    """DCP's metadata of the checkpoint at ``path`` if it is complete: ``.metadata`` (written
+    last, atomically, by DCP) is readable and every data file it names holds the bytes it
+    records. Otherwise a :class:`CheckpointError` naming what is wrong. Not collective."""
+    try:
+        metadata = SafeDCPReader(path).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"{os.path.join(path, DCP_METADATA)} could not be read "
+                              f"({type(exc).__name__}: {exc}); load an earlier checkpoint") from exc
+    needed = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.exists(file) or os.path.getsize(file) < size:
+            raise CheckpointError(f"DCP checkpoint at {path} is damaged: {name} is missing or "
+                                  f"shorter than the {size} bytes its {DCP_METADATA} records. Load an "
+                                  "earlier checkpoint (latest_checkpoint(root) skips it).")
+    return metadata
+
+
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": None,  # None: any class of that module
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _Restricted(pickle.Unpickler):
+    """pickle with an allow-list: DCP's metadata classes, torch sizes and dtypes, paths."""
+
+    def find_class(self, module: str, name: str):
+        allowed = _ALLOWED.get(module, set())
+        if (allowed is None and isinstance(getattr(__import__(module, fromlist=[name]), name,
+                                                   None), type)) or (allowed and name in allowed):
+            return super().find_class(module, name)
+        raise CheckpointError(f"refusing to load {module}.{name} from a DCP checkpoint: only "
+                              "DCP's metadata, tensors and plain values may be in it, and loading "
+                              "a checkpoint never runs code from it")
+
+
+class SafeDCPReader(FileSystemReader):
+    """DCP's reader, with ``.metadata`` read through the allow-list instead of plain pickle."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(os.path.join(self.path, DCP_METADATA), "rb") as fh:
+            metadata = _Restricted(fh).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

@@ -19,11 +19,19 @@ rank ever holds the whole model. DCP records each chunk's offset in ``.metadata`
 for this rank's rows (a DTensor again, or a whole tensor at stage 0) and DCP reads whatever
 chunks overlap them: the interval arithmetic state.py does by hand for its own files.
 Scalars (Adam's ``step``, a 0-dim parameter), buffers and hyperparameters are the same on every
-rank: DCP writes them once, from the lowest rank, which always holds row 0.
+rank: DCP writes them once, from the lowest rank, which always holds row 0. As torch's
+``get_optimizer_state_dict`` does, an optimizer that never stepped is first given its state by
+a step with zero gradients and lr 0 (Adam's ``step`` becomes 1): FSDP2 loads nothing less.
+
+**Settings** (lr, betas, a scheduler's ``initial_lr``) are matched by parameter name, as torch's
+``set_optimizer_state_dict`` matches them: the groups may come in another order or be flattened
+per parameter; the parameters of one group must have been saved with the same settings, and a
+group saved without a setting this optimizer has was saved by another kind of optimizer.
 
 **Trust.** DCP itself unpickles ``.metadata`` and the hyperparameters with plain pickle; here
-both are read with an allow-list (:class:`_SafeReader`, :class:`_SafeLoadPlanner`), so, as
-with minishard's own files, loading a checkpoint never runs code from it.
+``.metadata`` is read with an allow-list (checkpoint_files.py) and the hyperparameters
+``weights_only`` (:class:`_SafeLoadPlanner`), so, as with minishard's own files, loading a
+checkpoint never runs code from it.
 
 DTensor appears only here, at the boundary: the engine stays on raw collectives. DCP runs its
 own collectives inside ``dcp.save`` / ``dcp.load`` (it gathers and scatters its plans as
@@ -33,26 +41,25 @@ torch's checkpoint library's, not ours. Collective, like everything in state.py.
 from __future__ import annotations
 
 import os
-import pickle
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.state_dict import _init_optim_state  # get_optimizer_state_dict's
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from minishard import comm
-from minishard.checkpoint_files import CheckpointError, saved_rows
+from minishard.checkpoint_files import DCP_METADATA as METADATA
+from minishard.checkpoint_files import CheckpointError, SafeDCPReader, check_dcp, saved_rows
 from minishard.full_state import (buffer_state, group_param_names, hyperparameters, named_params,
                                   split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
 
-__all__ = ["METADATA", "is_dcp_checkpoint", "save_dcp", "read_dcp"]
-
-METADATA = ".metadata"  # DCP writes it last, once every rank's data file is in place
-
+__all__ = ["is_dcp_checkpoint", "save_dcp", "read_dcp"]
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), METADATA))
@@ -113,14 +120,14 @@ def _held(param, loaded) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- save
-def save_dcp(path: str, model, optimizer, overwrite: bool) -> None:
-    """save_checkpoint(format="dcp") on the ranks of ONE shard group."""
-    if is_dcp_checkpoint(path) and not overwrite:
-        raise FileExistsError(f"{path} already holds a DCP checkpoint; save each step into a "
-                              "fresh directory (checkpoint_path(root, step)), or pass "
-                              "overwrite=True")
+def save_dcp(path: str, model, optimizer) -> None:
+    """save_checkpoint(format="dcp") on the ranks of ONE shard group (state.py has made room)."""
     mesh, group = _mesh(model), model.group
     world, rank = comm.group_size(group), comm.group_rank(group)
+    if optimizer is not None:
+        # As get_optimizer_state_dict does: an optimizer that never stepped is given its state
+        # (one step with zero gradients and lr 0), or FSDP2 could not load the checkpoint.
+        _init_optim_state(optimizer)
     values, states = {}, {}
     for name, param in named_params(model):
         value = _saved(param, param.user, mesh, world, rank)
@@ -135,59 +142,85 @@ def save_dcp(path: str, model, optimizer, overwrite: bool) -> None:
         content["optim"] = {"state": states, "param_groups": [
             {**hyperparameters(g), "params": names}
             for g, names in zip(optimizer.param_groups, group_param_names(model, optimizer))]}
-    dcp.save(content, checkpoint_id=path, process_group=group,
-             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    try:  # DCP raises on every rank when any rank fails
+        dcp.save(content, checkpoint_id=path, process_group=group,
+                 planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise CheckpointError(f"could not save the DCP checkpoint {path}; it has no {METADATA}, "
+                              f"so it stays incomplete: {exc}") from exc
 
 
 # ------------------------------------------------------------------------------------- load
 def read_dcp(path: str, model, optimizer):
     """Read the DCP checkpoint at ``path`` for this rank, changing nothing yet: (values per
-    parameter, buffers, the optimizer's torch state dict or None, the saved param groups).
-    Every check happens before the read, and every rank raises together."""
+    parameter, buffers, the optimizer's torch state dict or None, its param groups as loaded).
+    Every check happens before the read, and every rank raises together.
+
+    Three layouts are read, told apart by their keys: ``{"model", "optim"}`` (FSDP2's state
+    dicts, and what minishard writes), the same with the optimizer state flattened per
+    parameter (``StateDictOptions(flatten_optimizer_state_dict=True)``: settings under
+    ``param_groups.<name>.lr``), and torchtitan's (the model's entries at the top level, the
+    flattened optimizer under ``optimizer``)."""
     mesh, group = _mesh(model), model.group
     replicas = getattr(model, "replicate_group", None)
     groups = [group] if replicas is None else [group, replicas]
-    error, targets = None, {}
+    error, targets, keys = None, {}, None
     try:
-        saved = _SafeReader(path).read_metadata().state_dict_metadata
-        targets = _model_targets(path, saved, model, mesh)
+        saved = check_dcp(path).state_dict_metadata
+        keys = _Keys(saved, model)
+        targets = _model_targets(path, saved, keys, model, mesh)
         if optimizer is not None:
-            targets.update(_optim_targets(path, saved, model, mesh))
+            targets.update(_optim_targets(path, saved, keys, model, mesh))
     except Exception as exc:  # still join the verdict below, or the other ranks would hang
         error = exc
     raise_together(error, groups, "dcp checkpoint: checked", CheckpointError(
         f"another rank could not load {path} (its error names the problem); nothing was loaded"))
     try:  # DCP raises on every rank when any rank fails
-        dcp.load(targets, storage_reader=_SafeReader(path), planner=_SafeLoadPlanner(),
+        dcp.load(targets, storage_reader=SafeDCPReader(path), planner=_SafeLoadPlanner(),
                  process_group=group)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"could not read the DCP checkpoint at {path}: {exc}") from exc
-    error = optim_sd = saved_groups = None
+    error = optim_sd = loaded_groups = None
     try:
         if optimizer is not None:
-            optim_sd, saved_groups = _optimizer_state(path, targets, model, optimizer)
+            optim_sd, loaded_groups = _optimizer_state(path, targets, keys, model, optimizer)
     except Exception as exc:
         error = exc
     raise_together(error, groups, "dcp checkpoint: optimizer checked", CheckpointError(
         f"another rank could not load the optimizer state of {path}; nothing was loaded"))
-    values = [(param.user, _held(param, targets[f"model.{_saved_name(param, saved)}"]))
+    values = [(param.user, _held(param, targets[keys.value(param)]))
               for _, param in named_params(model)]
-    buffers = {k: targets[f"model.{k}"] for k in buffer_state(model.module)}
-    return values, buffers, optim_sd, saved_groups
+    buffers = {k: targets[keys.model + k] for k in buffer_state(model.module)}
+    return values, buffers, optim_sd, loaded_groups
 
 
-def _saved_name(param, saved) -> str:
-    """The first of a parameter's names that the checkpoint holds (a tied one may hold all)."""
-    return next((p.fqn for p in param.places if f"model.{p.fqn}" in saved), param.name)
+class _Keys:
+    """Where a checkpoint keeps things: the model's entries under ``model.`` or at the top level
+    (torchtitan), the optimizer's under ``optim.`` or ``optimizer.`` (torchtitan)."""
+
+    def __init__(self, saved: dict, model) -> None:
+        self.saved = saved
+        first = next(iter(named_params(model)), (None, None))[1]
+        self.model = "" if first is not None and any(
+            pl.fqn in saved and f"model.{pl.fqn}" not in saved for pl in first.places) else "model."
+        self.optim = next((p for p in ("optim.", "optimizer.")
+                           if any(k.startswith(p + "param_groups.") for k in saved)), None)
+
+    def value(self, param) -> str:
+        """A parameter's entry: the first of its names the checkpoint holds (a tied one may
+        hold all), else its first name (reported missing)."""
+        return next((self.model + p.fqn for p in param.places if self.model + p.fqn in self.saved),
+                    self.model + param.name)
 
 
-def _model_targets(path: str, saved: dict, model, mesh) -> dict:
-    """``model.<name>`` -> an empty tensor for every parameter and buffer, checked against the
-    checkpoint's names and shapes first."""
-    mine = {f"model.{_saved_name(p, saved)}": (p, p.user) for _, p in named_params(model)}
-    buffers = {f"model.{k}": b for k, b in buffer_state(model.module).items()}
-    aliases = {f"model.{pl.fqn}" for _, p in named_params(model) for pl in p.places}
-    theirs = {k for k in saved if k.startswith("model.")}
+def _model_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
+    """Every parameter's and buffer's entry -> an empty tensor for the load to fill, checked
+    against the checkpoint's names and shapes first."""
+    mine = {keys.value(p): (p, p.user) for _, p in named_params(model)}
+    buffers = {keys.model + k: b for k, b in buffer_state(model.module).items()}
+    aliases = {keys.model + pl.fqn for _, p in named_params(model) for pl in p.places}
+    others = ("optim.", "optimizer.", "lr_scheduler", "dataloader", "train_state")
+    theirs = {k for k in saved if k.startswith(keys.model) and (keys.model or not k.startswith(others))}
     problems = []
     if sorted(theirs - aliases - set(buffers)):
         problems.append(f"entries the model does not have {sorted(theirs - aliases - set(buffers))}")
@@ -196,7 +229,7 @@ def _model_targets(path: str, saved: dict, model, mesh) -> dict:
                         f"{sorted(set(mine) - theirs) + sorted(set(buffers) - theirs)}")
     shapes = {k: tuple(p.shape) for k, (p, _) in mine.items()}
     shapes.update({k: tuple(b.shape) for k, b in buffers.items()})
-    problems += [f"{k[6:]}: checkpoint {tuple(saved[k].size)}, model {shape}"
+    problems += [f"{k[len(keys.model):]}: checkpoint {tuple(saved[k].size)}, model {shape}"
                  for k, shape in shapes.items() if k in theirs
                  and (isinstance(saved[k], BytesStorageMetadata) or tuple(saved[k].size) != shape)]
     if problems:
@@ -207,17 +240,16 @@ def _model_targets(path: str, saved: dict, model, mesh) -> dict:
     return targets
 
 
-def _optim_targets(path: str, saved: dict, model, mesh) -> dict:
-    """``optim.state.<name>.<key>`` and ``optim.param_groups.<i>.<key>`` -> what to fill: this
+def _optim_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
+    """``<optim>.state.<name>.<key>`` and ``<optim>.param_groups.<...>`` -> what to fill: this
     rank's rows of state shaped like the parameter, a whole scalar, or None for a pickled value."""
-    keys = [k for k in saved if k.startswith("optim.")]
-    if not any(k.startswith("optim.param_groups.") for k in keys):
+    if keys.optim is None:
         raise CheckpointError(f"DCP checkpoint at {path} holds no optimizer state (no "
                               "optim.param_groups); call load_checkpoint(path, model)")
-    targets = {k: None for k in keys if k.startswith("optim.param_groups.")}
-    state_keys = {k for k in keys if k.startswith("optim.state.")}
+    targets = {k: None for k in saved if k.startswith(keys.optim + "param_groups.")}
+    state_keys = {k for k in saved if k.startswith(keys.optim + "state.")}
     for _, param in named_params(model):
-        prefix = f"optim.state.{param.name}."
+        prefix = f"{keys.optim}state.{param.name}."
         for k in [k for k in state_keys if k.startswith(prefix) and "." not in k[len(prefix):]]:
             state_keys.discard(k)
             md = saved[k]
@@ -229,7 +261,7 @@ def _optim_targets(path: str, saved: dict, model, mesh) -> dict:
                 targets[k] = _target(param, torch.empty(0, dtype=md.properties.dtype,
                                                         device=param.user.device), mesh)
             else:
-                raise CheckpointError(f"DCP checkpoint at {path}: optimizer state {k[12:]!r} has "
+                raise CheckpointError(f"DCP checkpoint at {path}: optimizer state {k!r} has "
                                       f"shape {tuple(md.size)}, neither the parameter's "
                                       f"{tuple(param.shape)} nor a scalar")
     if state_keys:
@@ -238,76 +270,56 @@ def _optim_targets(path: str, saved: dict, model, mesh) -> dict:
     return targets
 
 
-def _optimizer_state(path: str, targets: dict, model, optimizer):
-    """The loaded entries as the optimizer's own state dict, after checking its param groups."""
-    saved_groups = {}
+def _saved_settings(targets: dict, keys: _Keys) -> dict[str, dict]:
+    """Each parameter's saved optimizer settings (lr, betas, ...), by name, from either layout:
+    ``param_groups.<i>.<key>`` with ``params`` naming the group's parameters (torch's), or
+    ``param_groups.<name>.<key>`` (flattened: each parameter's own)."""
+    found = {}
     for key, value in targets.items():
-        if key.startswith("optim.param_groups."):
-            index, name = key[len("optim.param_groups."):].split(".", 1)
-            saved_groups.setdefault(int(index), {})[name] = value
-    saved_groups = [saved_groups[i] for i in sorted(saved_groups)]
-    mine = group_param_names(model, optimizer)
-    if [sorted(g.get("params", [])) for g in saved_groups] != [sorted(g) for g in mine]:
+        if key.startswith(keys.optim + "param_groups."):
+            head, setting = key[len(keys.optim + "param_groups."):].rsplit(".", 1)
+            found.setdefault(head, {})[setting] = value
+    if not all(head.isdigit() for head in found):
+        return {name: hyperparameters(group) for name, group in found.items()}
+    return {name: hyperparameters({k: v for k, v in group.items() if k != "params"})
+            for group in found.values() for name in group.get("params", [])}
+
+
+def _optimizer_state(path: str, targets: dict, keys: _Keys, model, optimizer):
+    """The loaded entries as the optimizer's own state dict. Settings are matched by parameter
+    name, as torch's set_optimizer_state_dict does: the groups may come in another order, but
+    the parameters of one group must have been saved with the same settings."""
+    settings, mine = _saved_settings(targets, keys), group_param_names(model, optimizer)
+    ours = [name for names in mine for name in names]
+    if sorted(settings) != sorted(ours):
         raise CheckpointError(
-            f"DCP checkpoint at {path}: its param groups hold "
-            f"{[g.get('params') for g in saved_groups]}, the optimizer's hold {mine}; build the "
-            "optimizer with the same param groups")
-    for i, (g, s) in enumerate(zip(optimizer.param_groups, saved_groups)):
-        if set(hyperparameters(g)) != set(s) - {"params"}:
+            f"DCP checkpoint at {path}: its optimizer holds the parameters {sorted(settings)}, "
+            f"this one {sorted(ours)}; build the optimizer over the same parameters")
+    loaded, by_name = [], {name: param for name, param in named_params(model)}
+    for i, (group, names) in enumerate(zip(optimizer.param_groups, mine)):
+        kinds = {repr(sorted(settings[n].items())) for n in names}
+        if len(kinds) > 1:
             raise CheckpointError(
-                f"DCP checkpoint at {path}: param group {i} has the settings {sorted(s)}, the "
-                f"{type(optimizer).__name__}'s {sorted(hyperparameters(g))}: it was saved by "
-                "another kind of optimizer")
-    by_name = {name: param for name, param in named_params(model)}
-    states = []
-    for names in mine:
-        states.append([])
+                f"DCP checkpoint at {path}: param group {i} holds {names}, which were saved with "
+                "different settings; group them as the saving optimizer did")
+        saved = settings[names[0]] if names else hyperparameters(group)
+        missing = sorted(set(hyperparameters(group)) - set(saved))
+        if missing:
+            raise CheckpointError(
+                f"DCP checkpoint at {path}: param group {i} was saved without the settings "
+                f"{missing} of a {type(optimizer).__name__}: another kind of optimizer saved it")
+        states = []
         for name in names:
-            param, prefix = by_name[name], f"optim.state.{name}."
+            prefix = f"{keys.optim}state.{name}."
             state = {k[len(prefix):]: v for k, v in targets.items() if k.startswith(prefix)}
-            states[-1].append({k: _held(param, v) if _per_element(targets[prefix + k], param)
-                               else v for k, v in state.items()} or None)
-    return torch_optimizer_state(({k: v for k, v in s.items() if k != "params"}, st)
-                                 for s, st in zip(saved_groups, states)), saved_groups
+            states.append({k: _held(by_name[name], v) if _per_element(v, by_name[name]) else v
+                           for k, v in state.items()} or None)
+        loaded.append((saved, states))
+    return torch_optimizer_state(loaded), [{**s, "params": names}
+                                          for (s, _), names in zip(loaded, mine)]
 
 
 # ------------------------------------------------------------------------------ never run code
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": None,  # None: any class of that module
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"} | {n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _Restricted(pickle.Unpickler):
-    """pickle with an allow-list: DCP's metadata classes, torch sizes and dtypes, paths."""
-
-    def find_class(self, module: str, name: str):
-        allowed = _ALLOWED.get(module, set())
-        if (allowed is None and isinstance(getattr(__import__(module, fromlist=[name]), name,
-                                                   None), type)) or (allowed and name in allowed):
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing to load {module}.{name} from a DCP checkpoint: only "
-                              "DCP's metadata, tensors and plain values may be in it, and loading "
-                              "a checkpoint never runs code from it")
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's reader, with ``.metadata`` read through the allow-list instead of plain pickle."""
-
-    def read_metadata(self, *args, **kwargs):
-        with open(os.path.join(self.path, METADATA), "rb") as fh:
-            metadata = _Restricted(fh).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, with pickled values (hyperparameters) read ``weights_only``."""
 

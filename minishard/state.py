@@ -49,9 +49,9 @@ import struct
 import torch
 
 from minishard import checkpoint_files, comm
-from minishard.checkpoint_files import (FORMAT_VERSION, META, CheckpointError, atomic_save,
-                                        check_checkpoint, checkpoint_path, latest_checkpoint,
-                                        saved_rows, shard_file_name)
+from minishard.checkpoint_files import (DCP_METADATA, FORMAT_VERSION, META, CheckpointError,
+                                        atomic_save, check_checkpoint, checkpoint_path,
+                                        latest_checkpoint, saved_rows, shard_file_name)
 from minishard.dcp_checkpoint import is_dcp_checkpoint, read_dcp, save_dcp
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
                                   hyperparameters, load_full_optimizer_state_dict, named_params,
@@ -77,8 +77,8 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     what they wrote (an all-gather, which is also the barrier: it cannot finish before every
     file is in place); then rank 0 writes meta.pt; a last all-reduce makes every rank return
     only once the checkpoint is complete. ``path`` must not hold a checkpoint already, unless
-    ``overwrite`` (its meta.pt is then removed first: until the new one lands, the directory is
-    incomplete -- that is why a fresh directory per step is safer).
+    ``overwrite`` (its meta.pt or .metadata is then removed first: until the new one lands, the
+    directory is incomplete -- that is why a fresh directory per step is safer).
 
     Hybrid sharding (a 2-D mesh): the replicas hold identical shards, so only the first one
     (replicate rank 0) writes, one file per rank of its shard group; the others wait for it
@@ -87,14 +87,19 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     writers = {"minishard": _save_shards, "dcp": save_dcp}
     if format not in writers:
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
-    write, path = writers[format], os.fspath(path)
+    path = os.fspath(path)
+
+    def write() -> None:
+        _make_room(path, model.group, overwrite)
+        writers[format](path, model, optimizer)
+
     replicas = getattr(model, "replicate_group", None)
     if replicas is None:
-        return write(path, model, optimizer, overwrite)
+        return write()
     error = None
     if comm.group_rank(replicas) == 0:
         try:
-            write(path, model, optimizer, overwrite)
+            write()
         except Exception as exc:  # still join the all-reduce below, or the replicas would hang
             error = exc
     raise_together(error, [replicas], "checkpoint: first replica done", CheckpointError(
@@ -102,20 +107,29 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
         "checkpoint is incomplete"))
 
 
-def _save_shards(path, model, optimizer, overwrite: bool) -> None:
-    """save_checkpoint on the ranks of ONE shard group (all of them, without replicas)."""
-    path, group = os.fspath(path), model.group
-    rank, world = comm.group_rank(group), comm.group_size(group)
-    meta_file = os.path.join(path, META)
-    if os.path.exists(meta_file) and not overwrite:
+def _make_room(path: str, group, overwrite: bool) -> None:
+    """Refuse a directory that holds a checkpoint of either format, unless ``overwrite``: then
+    its marker (meta.pt, DCP's .metadata) is removed first, so until the new one lands the
+    directory reads as incomplete, never as a mix of two steps."""
+    markers = [os.path.join(path, name) for name in (META, DCP_METADATA)]
+    if any(os.path.exists(m) for m in markers) and not overwrite:
         raise FileExistsError(
             f"{path} already holds a checkpoint; save each step into a fresh directory "
             "(checkpoint_path(root, step)), or pass overwrite=True")
     os.makedirs(path, exist_ok=True)
     if overwrite:
-        if rank == 0 and os.path.exists(meta_file):
-            os.remove(meta_file)  # from here on the directory reads as incomplete
-        comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: old meta removed")
+        if comm.group_rank(group) == 0:
+            for marker in markers:
+                if os.path.exists(marker):
+                    os.remove(marker)  # from here on the directory reads as incomplete
+        comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: old marker removed")
+
+
+def _save_shards(path: str, model, optimizer) -> None:
+    """save_checkpoint on the ranks of ONE shard group (all of them, without replicas)."""
+    group = model.group
+    rank, world = comm.group_rank(group), comm.group_size(group)
+    meta_file = os.path.join(path, META)
     groups = group_param_names(model, optimizer) if optimizer is not None else None
 
     # 1. this rank's file: its rows of every parameter, values and optimizer state.

@@ -110,9 +110,8 @@ MUTANTS = {
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
         [("minishard/dcp_checkpoint.py",
-          "for s, st in zip(saved_groups, states)), saved_groups",
-          "for s, st in zip([hyperparameters(g) for g in optimizer.param_groups], states)), "
-          "saved_groups")],
+          "        loaded.append((saved, states))",
+          "        loaded.append((hyperparameters(group), states))")],
         ["tests/test_dcp.py::test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size"]),
     "dcp_scalars_from_any_rank": (
         "DCP dedups a value every rank saves (a 0-dim parameter, Adam's step) to ANY rank, "

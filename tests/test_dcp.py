@@ -22,7 +22,8 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from minishard import ZeRO
-from minishard.state import (CheckpointError, full_optimizer_state_dict, load_checkpoint,
+from minishard.state import (CheckpointError, check_checkpoint, checkpoint_path,
+                             full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
                              save_checkpoint)
 from torch import nn
 
@@ -61,14 +62,23 @@ def fsdp2_full_state(net, opt):
                           get_optimizer_state_dict(net, opt, options=full)))
 
 
-def fsdp2_train_and_save(ckpt, steps=2):
+def fsdp2_train_and_save(ckpt, steps=2, layout="fsdp2"):
+    """FSDP2 trains and saves through DCP, in one of three layouts: torch's state dicts under
+    "model" and "optim"; the same with the optimizer flattened per parameter
+    (``flatten_optimizer_state_dict``: ``param_groups.<name>.lr``); torchtitan's (its
+    CheckpointManager puts the model's entries at the top level and the flattened optimizer
+    under "optimizer")."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
     world, rank = ws_rank()
     net, opt = fsdp2(seed=0)
     train(net, opt, range(steps), world, rank)
-    dcp.save({"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)},
-             checkpoint_id=ckpt)
+    flat = StateDictOptions(flatten_optimizer_state_dict=layout != "fsdp2")
+    model_sd, optim_sd = get_model_state_dict(net), get_optimizer_state_dict(net, opt, options=flat)
+    content = ({**model_sd, "optimizer": optim_sd} if layout == "torchtitan" else
+               {"model": model_sd, "optim": optim_sd})
+    dcp.save(content, checkpoint_id=ckpt)
     return fsdp2_full_state(net, opt)
 
 
@@ -140,10 +150,12 @@ def assert_same_optimizer_state(a, b):
 
 
 # ------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size(pools, tmp_path, stage):
+@pytest.mark.parametrize("stage, layout", [(0, "fsdp2"), (1, "fsdp2"), (2, "fsdp2"),
+                                           (3, "fsdp2"), (3, "flattened"), (1, "torchtitan")])
+def test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size(pools, tmp_path, stage,
+                                                                     layout):
     ckpt = fresh(tmp_path)
-    model_sd, osd = pools(2).run(fsdp2_train_and_save, ckpt)[0]
+    model_sd, osd = pools(2).run(fsdp2_train_and_save, ckpt, 2, layout)[0]
     oracle = one_more_step(model_sd, by_index(osd))
     for fmt, (loaded_sd, loaded_osd), after in pools(3).run(minishard_load_and_step, ckpt, stage):
         assert fmt == "dcp"
@@ -309,8 +321,129 @@ def test_dcp_checkpoint_of_another_model_or_optimizer_is_refused_on_every_rank(p
 def test_saving_over_a_dcp_checkpoint_is_refused(pools, tmp_path):
     ckpt = fresh(tmp_path)
     assert pools(2).run(save_dcp, ckpt) == [None, None]
-    assert all("already holds a DCP checkpoint" in e for e in pools(2).run(save_dcp, ckpt))
+    assert all("already holds a checkpoint" in e for e in pools(2).run(save_dcp, ckpt))
     assert pools(2).run(save_dcp, ckpt, overwrite=True) == [None, None]
+
+
+def save_minishard_then(ckpt, step, format, overwrite=False, break_rank=None):
+    """Save after ``step`` steps in ``format``; ``break_rank``'s data file cannot be written."""
+    model, opt = make(2, "adam")
+    train(model, opt, range(step), *ws_rank())
+    if break_rank is not None and ws_rank()[1] == 0:
+        data = os.path.join(ckpt, f"__{break_rank}_0.distcp")
+        os.remove(data)
+        os.makedirs(data)  # a directory where the file goes: that rank's write fails
+    torch.distributed.barrier()
+    try:
+        save_checkpoint(ckpt, model, opt, format=format, overwrite=overwrite)
+    except (FileExistsError, CheckpointError) as exc:
+        return type(exc).__name__
+    return None
+
+
+def test_a_checkpoint_is_never_a_mix_of_two_saves(pools, tmp_path):
+    """A directory holding a checkpoint of either format refuses a save of either format; with
+    overwrite, a save that fails leaves it incomplete (refused), never half old and half new."""
+    ckpt = fresh(tmp_path)
+    assert pools(2).run(save_minishard_then, ckpt, 1, "dcp") == [None, None]
+    assert pools(2).run(save_minishard_then, ckpt, 2, "minishard") == ["FileExistsError"] * 2
+    assert pools(2).run(save_minishard_then, ckpt, 2, "dcp", True, 1) == ["CheckpointError"] * 2
+    with pytest.raises(CheckpointError, match="incomplete"):
+        check_checkpoint(ckpt)
+    assert all(e and "incomplete" in e for e in pools(2).run(try_load, ckpt))
+
+
+def test_latest_checkpoint_knows_dcp_directories_and_skips_damaged_ones(pools, tmp_path):
+    root = fresh(tmp_path)
+    for step, fmt in [(1, "minishard"), (2, "dcp"), (3, "dcp")]:
+        pools(2).run(save_minishard_then, checkpoint_path(root, step), step, fmt)
+    assert latest_checkpoint(root) == checkpoint_path(root, 3)
+    data = os.path.join(checkpoint_path(root, 3), "__1_0.distcp")
+    with open(data, "r+b") as fh:
+        fh.truncate(os.path.getsize(data) // 2)
+    assert latest_checkpoint(root) == checkpoint_path(root, 2)
+    errors = pools(3).run(try_load, checkpoint_path(root, 3))
+    assert all(e and "__1_0.distcp is missing or shorter" in e for e in errors), errors
+
+
+def minishard_save_unstepped(ckpt):
+    model, opt = minishard(3, seed=0)
+    save_checkpoint(ckpt, model, opt, format="dcp")
+    return True
+
+
+def test_an_optimizer_that_never_stepped_saves_what_fsdp2_loads(pools, tmp_path):
+    """As torch's get_optimizer_state_dict does, its state is made first (step 1, zeros)."""
+    ckpt = fresh(tmp_path)
+    pools(3).run(minishard_save_unstepped, ckpt)
+    (_, loaded_osd), _ = pools(2).run(fsdp2_load_and_step, ckpt)[0]
+    for name, state in loaded_osd["state"].items():
+        assert state["step"].item() == 1, name
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any(), name
+
+
+def decay_groups(named, reverse=False):
+    """nanoGPT's configure_optimizers: decay the matrices, not the vectors."""
+    named = list(named)
+    groups = [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return groups[::-1] if reverse else groups
+
+
+def fsdp2_grouped_save(ckpt):
+    """FSDP2 with named parameter groups (torch records their names) and an LR scheduler
+    (which adds initial_lr to every group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    net, _ = fsdp2(seed=0)
+    opt = torch.optim.AdamW(decay_groups(net.named_parameters()), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        train(net, opt, [step], *ws_rank())
+        sched.step()
+    model_sd, optim_sd = get_state_dict(net, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    return per_name(net, opt)
+
+
+def per_name(model, opt):
+    """{name: (its group's settings, its state as full tensors)}, whoever holds it."""
+    from torch.distributed.tensor import DTensor
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for group in opt.param_groups:
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        for p in group["params"]:
+            state = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                     for k, v in opt.state[p].items()}
+            out[names[id(p)].removeprefix("module.")] = (settings, state)
+    return out
+
+
+def minishard_grouped_load(ckpt, stage):
+    model, _ = minishard(stage, seed=5)
+    opt = torch.optim.AdamW(decay_groups(model.module.named_parameters(), reverse=True), lr=0.5)
+    load_checkpoint(ckpt, model, opt)
+    full = full_optimizer_state_dict(model, opt)  # numbered in the optimizer's order, as torch
+    names = {id(p): n for n, p in model.module.named_parameters()}
+    order = [names[id(p)] for group in opt.param_groups for p in group["params"]]
+    return {n: (settings, full["state"].get(order.index(n), {}))
+            for n, (settings, _) in per_name(model.module, opt).items()}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_settings_are_matched_by_parameter_name(pools, tmp_path, stage):
+    """Groups in another order, recorded names, a scheduler's initial_lr: loaded as torch's
+    set_optimizer_state_dict loads them, each parameter with its own group's settings."""
+    ckpt = fresh(tmp_path)
+    saved = pools(2).run(fsdp2_grouped_save, ckpt)[0]
+    for loaded in pools(3).run(minishard_grouped_load, ckpt, stage):
+        assert sorted(loaded) == sorted(saved)
+        for name, (settings, state) in saved.items():
+            assert loaded[name][0] == settings, name  # lr 0.0025 and initial_lr 0.01, not 0.5
+            assert sorted(loaded[name][1]) == sorted(state), name
+            for key, value in state.items():
+                assert torch.equal(loaded[name][1][key], value), (name, key)
 
 
 class Payload:
