@@ -59,10 +59,20 @@ from minishard.full_state import (buffer_state, group_param_names, hyperparamete
                                   split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
 
-__all__ = ["is_dcp_checkpoint", "save_dcp", "read_dcp"]
+__all__ = ["is_dcp_checkpoint", "init_optimizer_state", "save_dcp", "read_dcp"]
+
 
 def is_dcp_checkpoint(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), METADATA))
+
+
+def init_optimizer_state(optimizer) -> None:
+    """As get_optimizer_state_dict does: an optimizer that never stepped is given its state (a
+    step with zero gradients and lr 0: Adam's ``step`` becomes 1), or FSDP2 could not load the
+    checkpoint. On EVERY rank (replicas too, though only the first writes): ranks whose
+    optimizers differed would step differently from then on."""
+    if optimizer is not None:
+        _init_optim_state(optimizer)
 
 
 # --------------------------------------------------------------------------------- the rows
@@ -124,10 +134,6 @@ def save_dcp(path: str, model, optimizer) -> None:
     """save_checkpoint(format="dcp") on the ranks of ONE shard group (state.py has made room)."""
     mesh, group = _mesh(model), model.group
     world, rank = comm.group_size(group), comm.group_rank(group)
-    if optimizer is not None:
-        # As get_optimizer_state_dict does: an optimizer that never stepped is given its state
-        # (one step with zero gradients and lr 0), or FSDP2 could not load the checkpoint.
-        _init_optim_state(optimizer)
     values, states = {}, {}
     for name, param in named_params(model):
         value = _saved(param, param.user, mesh, world, rank)

@@ -52,7 +52,8 @@ from minishard import checkpoint_files, comm
 from minishard.checkpoint_files import (DCP_METADATA, FORMAT_VERSION, META, CheckpointError,
                                         atomic_save, check_checkpoint, checkpoint_path,
                                         latest_checkpoint, saved_rows, shard_file_name)
-from minishard.dcp_checkpoint import is_dcp_checkpoint, read_dcp, save_dcp
+from minishard.dcp_checkpoint import (init_optimizer_state, is_dcp_checkpoint, read_dcp,
+                                      save_dcp)
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
                                   hyperparameters, load_full_optimizer_state_dict, named_params,
                                   original_parameter_names, split_state, torch_optimizer_state)
@@ -88,6 +89,8 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     if format not in writers:
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
     path = os.fspath(path)
+    if format == "dcp":
+        init_optimizer_state(optimizer)
 
     def write() -> None:
         _make_room(path, model.group, overwrite)

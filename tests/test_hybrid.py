@@ -338,6 +338,20 @@ def test_dcp_checkpoint_saved_on_2x2_resumes_on_4x1_and_2_ranks(pools, tmp_path,
     assert results == [[]] * 2, results
 
 
+def save_unstepped(ckpt):
+    """A DCP save before the first step gives the optimizer its state (as torch's
+    get_optimizer_state_dict does): on every rank, or the replicas would step apart."""
+    model = ZeRO(build(CKPT_SPEC), stage=3, mesh=mesh_of((2, 2)))
+    opt = make_opt("adam", model.parameters())
+    save_checkpoint(ckpt, model, opt, format="dcp")
+    return sorted(float(state["step"]) for state in opt.state.values())
+
+
+def test_a_dcp_save_before_the_first_step_leaves_the_replicas_alike(pools, tmp_path):
+    steps = pools(4).run(save_unstepped, str(tmp_path / f"ckpt-{uuid.uuid4().hex[:8]}"))
+    assert steps[0] and all(s == steps[0] for s in steps), steps
+
+
 def save_into_a_file(ckpt):
     model = ZeRO(build(CKPT_SPEC), stage=3, mesh=mesh_of((2, 2)))
     try:
