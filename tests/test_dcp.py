@@ -28,7 +28,7 @@ from minishard.state import (CheckpointError, check_checkpoint, checkpoint_path,
 from torch import nn
 
 from test_state import (Block, Gate, Net, assert_same_state, fresh, load_and_finish, make,
-                        snapshot, train, ws_rank)
+                        oracle_and_save, snapshot, train, ws_rank)
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -200,18 +200,6 @@ def test_every_rank_writes_only_its_rows(pools, tmp_path, stage):
         assert sorted((f, o[0]) for f, o in chunks) == expected, key
 
 
-def oracle_and_save_dcp(stage, opt_name, ckpt):
-    """test_state.oracle_and_save, saving in DCP's format."""
-    world, rank = ws_rank()
-    model, opt = make(stage, opt_name)
-    train(model, opt, range(4), world, rank)
-    oracle = model.full_state_dict()
-    model, opt = make(stage, opt_name)
-    train(model, opt, range(2), world, rank)
-    save_checkpoint(ckpt, model, opt, format="dcp")
-    return oracle
-
-
 @settings(max_examples=10)
 @given(a=st.integers(1, 4), b=st.integers(1, 4), stage_a=st.integers(0, 3),
        stage_b=st.integers(0, 3), opt_name=st.sampled_from(["adam", "sgd"]))
@@ -221,7 +209,7 @@ def oracle_and_save_dcp(stage, opt_name, ckpt):
 def test_dcp_resume_at_another_world_size_equals_uninterrupted_run(pools, tmp_path, a, b,
                                                                    stage_a, stage_b, opt_name):
     ckpt = fresh(tmp_path)
-    oracle = pools(a).run(oracle_and_save_dcp, stage_a, opt_name, ckpt)[0]
+    oracle = pools(a).run(oracle_and_save, stage_a, opt_name, ckpt, "dcp")[0]
     assert ".metadata" in os.listdir(ckpt)
     for resumed in pools(b).run(load_and_finish, stage_b, opt_name, ckpt):
         assert_same_state(resumed, oracle, **TIGHT)

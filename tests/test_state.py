@@ -97,14 +97,14 @@ def ws_rank():
 
 
 # ----------------------------------------------------------------------- rank functions
-def oracle_and_save(stage, opt_name, ckpt):
+def oracle_and_save(stage, opt_name, ckpt, format="minishard"):
     world, rank = ws_rank()
     model, opt = make(stage, opt_name)
     train(model, opt, range(4), world, rank)
     oracle = model.full_state_dict()
     model, opt = make(stage, opt_name)
     train(model, opt, range(2), world, rank)
-    save_checkpoint(ckpt, model, opt)
+    save_checkpoint(ckpt, model, opt, format=format)
     return oracle
 
 
