@@ -400,11 +400,11 @@ def per_name(model, opt):
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for group in opt.param_groups:
-        settings = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         for p in group["params"]:
             state = {k: v.full_tensor() if isinstance(v, DTensor) else v
                      for k, v in opt.state[p].items()}
-            out[names[id(p)].removeprefix("module.")] = (settings, state)
+            out[names[id(p)].removeprefix("module.")] = (hyper, state)
     return out
 
 
@@ -415,8 +415,8 @@ def minishard_grouped_load(ckpt, stage):
     full = full_optimizer_state_dict(model, opt)  # numbered in the optimizer's order, as torch
     names = {id(p): n for n, p in model.module.named_parameters()}
     order = [names[id(p)] for group in opt.param_groups for p in group["params"]]
-    return {n: (settings, full["state"].get(order.index(n), {}))
-            for n, (settings, _) in per_name(model.module, opt).items()}
+    return {n: (hyper, full["state"].get(order.index(n), {}))
+            for n, (hyper, _) in per_name(model.module, opt).items()}
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -427,8 +427,8 @@ def test_settings_are_matched_by_parameter_name(pools, tmp_path, stage):
     saved = pools(2).run(fsdp2_grouped_save, ckpt)[0]
     for loaded in pools(3).run(minishard_grouped_load, ckpt, stage):
         assert sorted(loaded) == sorted(saved)
-        for name, (settings, state) in saved.items():
-            assert loaded[name][0] == settings, name  # lr 0.0025 and initial_lr 0.01, not 0.5
+        for name, (group, state) in saved.items():
+            assert loaded[name][0] == group, name  # lr 0.0025 and initial_lr 0.01, not 0.5
             assert sorted(loaded[name][1]) == sorted(state), name
             for key, value in state.items():
                 assert torch.equal(loaded[name][1][key], value), (name, key)
