@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from minishard.flat import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
-           "saved_rows", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
+           "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
            "DCP_METADATA", "SafeDCPReader", "check_dcp"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
@@ -58,6 +58,16 @@ def saved_rows(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
     """The rows [lo, hi) of a parameter with ``n_rows`` rows (dim 0; a 0-dim one has 1) that
     ``rank`` of ``world_size`` saves: what it holds at stages 1-3 (flat.py; never padding)."""
     return rows_of(n_rows, world_size, rank)
+
+
+def saved_piece(param, held: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """The rows :func:`saved_rows` gives ``rank`` of one parameter (unit.py's Param), cut out
+    of ``held``: what this rank holds of its values, or of optimizer state shaped like them
+    (stage 0 holds every row; stages 1-3 exactly these). A (rows, row numel) view."""
+    flat, j = param.flat, param.index
+    lo, hi = saved_rows(flat.n_rows[j], world_size, rank)
+    held_lo, held_hi = flat.row_ranges[j]
+    return held.detach().reshape(held_hi - held_lo, flat.row_numels[j])[lo - held_lo:hi - held_lo]
 
 
 def atomic_save(obj, final: str) -> tuple[int, bytes]:

@@ -54,7 +54,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minishard import comm
 from minishard.checkpoint_files import DCP_METADATA as METADATA
-from minishard.checkpoint_files import CheckpointError, SafeDCPReader, check_dcp, saved_rows
+from minishard.checkpoint_files import CheckpointError, SafeDCPReader, check_dcp, saved_piece
 from minishard.full_state import (buffer_state, group_param_names, hyperparameters, named_params,
                                   split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
@@ -93,24 +93,22 @@ def _as_dtensor(rows: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> DTen
 def _saved(param, held: torch.Tensor, mesh: DeviceMesh, world: int, rank: int):
     """What this rank writes of ``held`` (its rows of one parameter, or of state shaped like it):
     its chunk, cut out of whatever it holds; a 0-dim tensor whole, from the rank holding it."""
-    flat, j = param.flat, param.index
-    lo, hi = saved_rows(flat.n_rows[j], world, rank)
-    held_lo, held_hi = flat.row_ranges[j]
-    rows = held.detach().reshape(held_hi - held_lo, flat.row_numels[j])[lo - held_lo:hi - held_lo]
+    rows = saved_piece(param, held, world, rank)
     if len(param.shape) == 0:  # cannot be cut; rank 0 holds it, and dedup keeps rank 0's copy
-        return rows.reshape(()).clone() if hi > lo else torch.zeros((), dtype=held.dtype)
+        return rows.reshape(()).clone() if len(rows) else torch.zeros((), dtype=held.dtype)
     # .clone(): a fresh tensor of just these rows, not a view into the flat buffer
-    return _as_dtensor(rows.reshape(hi - lo, *param.shape[1:]).clone(), param.shape, mesh)
+    return _as_dtensor(rows.reshape(len(rows), *param.shape[1:]).clone(), param.shape, mesh)
 
 
-def _target(param, like: torch.Tensor, mesh: DeviceMesh):
+def _target(param, dtype: torch.dtype, mesh: DeviceMesh):
     """An empty tensor for a load to fill with this rank's rows of one parameter (or of state
     shaped like it): a DTensor chunk at stages 1-3, the whole tensor at stage 0."""
     held_lo, held_hi = param.flat.row_ranges[param.index]
+    device = param.user.device
     if len(param.shape) == 0 or (held_lo, held_hi) == (0, param.flat.n_rows[param.index]):
         # everything (stage 0, a 0-dim parameter, or one rank holds every row)
-        return torch.empty(param.shape, dtype=like.dtype, device=like.device)
-    rows = torch.empty(held_hi - held_lo, *param.shape[1:], dtype=like.dtype, device=like.device)
+        return torch.empty(param.shape, dtype=dtype, device=device)
+    rows = torch.empty(held_hi - held_lo, *param.shape[1:], dtype=dtype, device=device)
     return _as_dtensor(rows, param.shape, mesh)
 
 
@@ -123,10 +121,7 @@ def _held(param, loaded) -> torch.Tensor:
     """A filled :func:`_target` as this rank's rows, shaped like its user parameter."""
     if isinstance(loaded, DTensor):
         return loaded.to_local().reshape(param.user.shape)
-    flat, j = param.flat, param.index
-    held_lo, held_hi = flat.row_ranges[j]
-    return loaded.reshape(flat.n_rows[j], flat.row_numels[j])[held_lo:held_hi].reshape(
-        param.user.shape)
+    return param.flat.my_rows(param.index, loaded)  # the whole tensor: keep this rank's rows
 
 
 # ------------------------------------------------------------------------------------- save
@@ -222,7 +217,7 @@ class _Keys:
 def _model_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
     """Every parameter's and buffer's entry -> an empty tensor for the load to fill, checked
     against the checkpoint's names and shapes first."""
-    mine = {keys.value(p): (p, p.user) for _, p in named_params(model)}
+    mine = {keys.value(p): p for _, p in named_params(model)}
     buffers = {keys.model + k: b for k, b in buffer_state(model.module).items()}
     aliases = {keys.model + pl.fqn for _, p in named_params(model) for pl in p.places}
     others = ("optim.", "optimizer.", "lr_scheduler", "dataloader", "train_state")
@@ -233,7 +228,7 @@ def _model_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
     if sorted(set(mine) - theirs) + sorted(set(buffers) - theirs):
         problems.append(f"entries missing from the checkpoint "
                         f"{sorted(set(mine) - theirs) + sorted(set(buffers) - theirs)}")
-    shapes = {k: tuple(p.shape) for k, (p, _) in mine.items()}
+    shapes = {k: tuple(p.shape) for k, p in mine.items()}
     shapes.update({k: tuple(b.shape) for k, b in buffers.items()})
     problems += [f"{k[len(keys.model):]}: checkpoint {tuple(saved[k].size)}, model {shape}"
                  for k, shape in shapes.items() if k in theirs
@@ -241,7 +236,7 @@ def _model_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
     if problems:
         raise CheckpointError(f"DCP checkpoint at {path} was saved from a different model: "
                               + "; ".join(problems) + ". Load it into the model it was saved from.")
-    targets = {k: _target(p, user, mesh) for k, (p, user) in mine.items()}
+    targets = {k: _target(p, p.user.dtype, mesh) for k, p in mine.items()}
     targets.update({k: torch.empty_like(b) for k, b in buffers.items()})
     return targets
 
@@ -264,8 +259,7 @@ def _optim_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
             elif tuple(md.size) == ():
                 targets[k] = torch.empty((), dtype=md.properties.dtype)
             elif tuple(md.size) == tuple(param.shape):
-                targets[k] = _target(param, torch.empty(0, dtype=md.properties.dtype,
-                                                        device=param.user.device), mesh)
+                targets[k] = _target(param, md.properties.dtype, mesh)
             else:
                 raise CheckpointError(f"DCP checkpoint at {path}: optimizer state {k!r} has "
                                       f"shape {tuple(md.size)}, neither the parameter's "

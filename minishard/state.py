@@ -51,7 +51,8 @@ import torch
 from minishard import checkpoint_files, comm
 from minishard.checkpoint_files import (DCP_METADATA, FORMAT_VERSION, META, CheckpointError,
                                         atomic_save, check_checkpoint, checkpoint_path,
-                                        latest_checkpoint, saved_rows, shard_file_name)
+                                        latest_checkpoint, saved_piece, saved_rows,
+                                        shard_file_name)
 from minishard.dcp_checkpoint import (init_optimizer_state, is_dcp_checkpoint, read_dcp,
                                       save_dcp)
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
@@ -179,14 +180,12 @@ def _rank_rows(model, optimizer, world: int, rank: int) -> dict:
     out = {}
     for name, param in named_params(model):
         lo, hi = saved_rows(param.flat.n_rows[param.index], world, rank)
-        held_lo, _, rows = _held(param)
-        cut = slice(lo - held_lo, hi - held_lo)  # stage 0 holds every row; stages 1-3, [lo, hi)
         # .clone(): torch.save of a view would write its whole underlying storage
-        entry = {"rows": [lo, hi], "value": rows[cut].clone()}
+        entry = {"rows": [lo, hi], "value": saved_piece(param, param.user, world, rank).clone()}
         state = optimizer.state.get(param.user) if optimizer is not None else None
         if state:
             per_element, scalars = split_state(state, param.user)
-            entry["state"] = {k: v.detach().reshape(rows.shape)[cut].clone()
+            entry["state"] = {k: saved_piece(param, v, world, rank).clone()
                               for k, v in per_element.items()}
             entry["scalars"] = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
                                 for k, v in scalars.items()}
