@@ -16,7 +16,8 @@ features, each in its own file:
   deferred_init.py   materialising a meta-device model one module at a time
   full_state.py      gathered(), full state dicts, the full optimizer state export
   guards.py          misuse guards: released stage-3 parameters, module.parameters(), stale optimizers
-  meters.py          peaks, the event timeline, memory_report(), the wrap meter
+  meters.py          peaks, the event timeline, memory_report(), the wrap meter, the step formula
+  allocations.py     Allocations: every storage a rank allocates, and the most alive at once
   trace.py           model.trace(path): every rank's schedule as one Chrome trace; draw() a PNG
   verdicts.py        every rank raises together, or none does
   state.py           checkpoints: per-rank shard files, atomic, reshardable (checkpoint_files.py)
@@ -28,6 +29,7 @@ features, each in its own file:
   tour.py            torchrun --standalone --nproc_per_node=2 -m minishard.tour
 """
 from minishard import comm, launch, state
+from minishard.allocations import Allocations
 from minishard.comm import ledger
 from minishard.sharded_optimizer import ShardedOptimizer
 from minishard.state import (full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
@@ -36,7 +38,7 @@ from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_
 from minishard.zero import STAGES, MixedPrecision, ZeRO
 
 __all__ = [
-    "comm", "launch", "state", "ledger",
+    "comm", "launch", "state", "ledger", "Allocations",
     "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
     "ZeRO", "STAGES", "MixedPrecision", "ShardedOptimizer",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint",

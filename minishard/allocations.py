@@ -1,0 +1,183 @@
+"""Allocations: every tensor storage a rank allocates, and the most alive at once.
+
+The engine's meters (meters.py) count the buffers the engine MEANS to hold: shards, gathered
+units, gradients in flight. A staging copy that outlives its use, a contiguity copy, a send buffer
+kept one collective too long: none of them is in a meter, and all of them are memory. This
+tracker counts what is really allocated, so a test can bound it::
+
+    with Allocations() as alloc:
+        model.full_state_dict(rank0_only=True)
+    assert alloc.peak <= 2 * unit_bytes                   # growth over what was alive before
+    print(alloc.describe_peak())                           # what was alive at that moment
+
+It is a ``TorchDispatchMode``: every torch operation on this thread passes through it. After each
+one, a storage that no input had is new: it is counted with its size, and a weak reference
+subtracts it when the storage dies. A storage that grows or shrinks in place
+(``untyped_storage().resize_()``, stage 3's free and re-gather, or ``Tensor.resize_``) moves the
+count by the difference. So ``now`` is the bytes allocated since entry and still alive (negative
+when something older was freed), and ``peak`` its maximum.
+
+What it cannot see: memory a backend allocates inside a collective (gloo works in place on the
+tensors comm.py hands it), and storages built outside torch's operators (``torch.load``'s
+unpickler). The outside check is the process's resident set (bench/rss.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import os
+import sys
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["Allocations", "Allocation", "release_free_pages"]
+
+
+@dataclasses.dataclass
+class Allocation:
+    """One storage counted by :class:`Allocations`: its size now, and what made it (the
+    operator, and the first function outside torch that called it: ``flat.py:gather``)."""
+    nbytes: int
+    op: str
+    shape: tuple
+    dtype: torch.dtype
+    site: str = ""
+
+    def __str__(self) -> str:
+        return (f"{self.nbytes / 2**20:8.3f} MiB  {self.site}  {self.op} -> "
+                f"{tuple(self.shape)} {str(self.dtype).replace('torch.', '')}")
+
+
+_TORCH = os.path.dirname(torch.__file__)
+
+
+def _site() -> str:
+    """``file:function`` of the innermost caller outside torch and this file."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+
+class Allocations(TorchDispatchMode):
+    """Bytes allocated since entry and still alive (``now``), their maximum (``peak``) and what
+    was alive at that maximum (``at_peak``: the counted storages, largest first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self.at_peak: list[Allocation] = []
+        self._live: dict[int, tuple[weakref.ref, Allocation]] = {}  # storage key -> (ref, record)
+        self._resize = None
+
+    # ------------------------------------------------------------------------ what it reports
+    def reset_peak(self) -> None:
+        """Start a new peak from what is alive now (between phases of one measurement)."""
+        self.peak = self.now
+        self.at_peak = self._snapshot()
+
+    def describe_peak(self, top: int = 8) -> str:
+        lines = [f"peak {self.peak / 2**20:.3f} MiB over the start; alive then (largest first):"]
+        lines += [f"  {a}" for a in self.at_peak[:top]]
+        return "\n".join(lines)
+
+    # ---------------------------------------------------------------------------- counting
+    def _move(self, delta: int) -> None:
+        self.now += delta
+        if self.now > self.peak:
+            self.peak = self.now
+            self.at_peak = self._snapshot()
+
+    def _snapshot(self) -> list[Allocation]:
+        return sorted((dataclasses.replace(a) for _, a in self._live.values()),
+                      key=lambda a: -a.nbytes)
+
+    def _track(self, storage: torch.UntypedStorage, record: Allocation) -> None:
+        key = storage._cdata
+        self._live[key] = (weakref.ref(storage, lambda _, key=key: self._died(key)), record)
+
+    def _died(self, key: int) -> None:
+        _, record = self._live.pop(key)
+        self._move(-record.nbytes)
+
+    def _resized(self, storage: torch.UntypedStorage, before: int, op: str) -> None:
+        """``storage`` changed size in place: count the difference (and follow it from now on:
+        when it dies, its whole size is subtracted, so an older storage freed counts negative)."""
+        after = storage.nbytes()
+        if after == before:
+            return
+        if storage._cdata not in self._live:
+            self._track(storage, Allocation(before, op, (after,), torch.uint8, _site()))
+        self._live[storage._cdata][1].nbytes = after
+        self._move(after - before)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                inputs[t.untyped_storage()._cdata] = (t.untyped_storage(), t.untyped_storage().nbytes())
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            storage = t.untyped_storage()
+            key = storage._cdata
+            if key in inputs:
+                continue  # a view or an in-place result: resizes are checked below
+            if key not in self._live:
+                self._track(storage, Allocation(0, str(func.overloadpacket.__name__),
+                                                tuple(t.shape), t.dtype, _site()))
+                self._resized(storage, 0, "")
+        for storage, before in inputs.values():
+            self._resized(storage, before, str(func.overloadpacket.__name__))
+        return out
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):  # not a torch operator: the mode would not see it
+            before = storage.nbytes()
+            result = original(storage, size)
+            self._resized(storage, before, "untyped_storage().resize_")
+            return result
+        self._resize, torch.UntypedStorage.resize_ = original, resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_free_pages() -> None:
+    """Hand the pages of freed tensors back to the operating system now, where the C library
+    keeps them (glibc; elsewhere a no-op). Called after each module of a meta wrap, whose
+    promise is a flat peak: its full tensors are freed, their pages must go too.
+
+    Why it is needed: glibc serves a large request with its own mapping, returned to the OS on
+    free, but each such free raises the size it maps from then on (up to 32 MiB); later buffers
+    of a unit's size come from the heap, where a freed one is kept and reused only if the next
+    request still fits the hole. Interleaved with small allocations, the holes do not fit, and
+    the resident set grows with the number of modules although the live tensors do not
+    (bench/RESULTS.md, "The memory wall"). ``malloc_trim(0)`` returns every free page at once:
+    ~20 us when there is nothing to return. (A phase that can reuse one buffer needs none of
+    this: full_state.Staging.)"""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
