@@ -33,7 +33,7 @@ __all__ = [
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
     "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "all_gather_object",
-    "set_observer",
+    "set_observer", "FINISHED_KEPT_BY_BACKEND",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -66,6 +66,12 @@ def set_observer(observer) -> None:
     if observer is not None and _observer is not None:
         raise RuntimeError("comm: a trace is already being recorded; one at a time")
     _observer = observer
+
+
+# gloo runs a group's collectives on worker threads (two by default); each keeps the tensors of
+# the last one it ran until it runs another, so after ``wait()`` up to this many finished
+# collectives' buffers may stay alive (measured). Memory bounds count them (meters.py).
+FINISHED_KEPT_BY_BACKEND = 2
 
 
 # --------------------------------------------------------------------- consistency checking
@@ -366,13 +372,10 @@ def _all_gather_by_broadcasts(output, shard, group, n):
 
         rank r:  out[r] = shard;   broadcast(out[j], src=j)  for every j      (in place)
 
-    The ring's (N-1)/N·S bytes per rank, with no staging copy. Chosen by whole training steps,
-    not by the collective alone: alone, a one-round exchange of isend/irecv is twice as fast
-    (1 MiB at 2 ranks: 0.9 ms against 1.9; gloo's own all_gather 1.6), yet in a stage-3 step it
-    is slower, because gloo runs a send on the calling thread, which on 2 cores is the thread
-    that computes, while a broadcast runs on gloo's worker thread. Interleaved steps, 2 ranks,
-    stage 3 on bench/zero_vs_stock.py's MLP: broadcasts 3-8% faster than the exchange, gloo's
-    all_gather 0-5% slower than it (bench/RESULTS.md, issue 24)."""
+    The ring's (N-1)/N·S bytes per rank, with no staging copy. Chosen by whole training steps
+    (bench/RESULTS.md): gloo runs a send on the calling thread, the one that computes, while a
+    broadcast runs on gloo's worker thread, so an exchange that is faster alone is slower in a
+    step."""
     k, r, out = shard.numel(), group_rank(group), output.view(-1)
     mine = out[r * k:(r + 1) * k]
     if mine.data_ptr() != shard.data_ptr():  # not already in place

@@ -273,12 +273,16 @@ class FlatBuffer:
             if self.mode is FlatMode.NONE:  # mixed precision without sharding: just cast
                 self.full.data.copy_(self._master)
                 return
-            if self._same_layout:
-                self._pending = comm.all_gather(self.full.data, self._send(), self.group,
+            if self._same_layout:  # this rank's row of full is its shard: gather in place
+                mine = self.full.data.view(self.ranks, -1)[self.rank]
+                if self._master is not None:
+                    mine.copy_(self._master)
+                self._pending = comm.all_gather(self.full.data, mine, self.group,
                                                 async_op=async_op, tag=self.name)
                 return
             rows = self.full.new_empty(self.ranks, self.shard_numel)
-            handle = comm.all_gather(rows, self._send(), self.group, async_op=True,
+            self.write_send(rows[self.rank])
+            handle = comm.all_gather(rows, rows[self.rank], self.group, async_op=True,
                                      tag=self.name)
             self._pending = comm.Handle(then=lambda: (handle.wait(), self.land(rows)))
         if not async_op:
@@ -305,11 +309,14 @@ class FlatBuffer:
             storage.resize_(self.full_bytes())
         self._gathered_version = self.version()
 
-    def _send(self) -> torch.Tensor:
-        """What this rank contributes to a gather: its padded shard, in the compute dtype."""
+    def write_send(self, out: torch.Tensor) -> None:
+        """Write what this rank contributes to a gather into ``out`` (k elements, in the
+        compute dtype): its padded shard, from ``_master`` or from its rows of ``full``."""
         if self._master is not None:
-            return self._master.to(self.param_dtype)
-        return self._rows_of_rank(self.full.data, self.rank)
+            out.copy_(self._master)
+        else:
+            torch.cat([self._region(self.full.data, j).view(self.ranks, -1)[self.rank]
+                       for j in range(len(self.widths))], out=out)
 
     def wait(self) -> None:
         """Finish an async :meth:`gather`."""
@@ -330,21 +337,6 @@ class FlatBuffer:
                 for j, p in enumerate(self.params):
                     p.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
         self._gathered_version = self.version()
-
-    def gather_shards(self, pieces: list[torch.Tensor], what: str = "state dict"
-                      ) -> list[torch.Tensor]:
-        """Every rank's ``pieces`` (one per parameter, shaped like this rank's shard of it: the
-        values, or an optimizer state such as Adam's ``exp_avg``) joined into the full tensors,
-        no padding: what state dicts need, whatever the stage or mixed precision."""
-        if self.mode is FlatMode.NONE:  # every rank already holds all of it
-            return [t.detach().reshape(s).clone() for t, s in zip(pieces, self.shapes)]
-        send = pieces[0].new_zeros(self.shard_numel)  # collectives need equal sizes: pad
-        for o, t in zip(self.offsets, pieces):
-            send[o:o + t.numel()] = t.detach().reshape(-1)
-        rows = send.new_empty(self.ranks, self.shard_numel)
-        comm.all_gather(rows, send, self.group, tag=f"{self.name} ({what})")
-        return [rows[:, o:o + w].reshape(-1)[:n].view(s).clone() for o, w, n, s in
-                zip(self.offsets, self.widths, self.numels, self.shapes)]
 
     def load_master(self, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
         """Set the shards from the full ``values`` (one per parameter; each rank keeps its
@@ -411,7 +403,8 @@ def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
             flat._start_gather()
         n, r = first.world, first.rank
         staging = first.full.new_empty(n, sum(f.shard_numel for f in flats))
-        torch.cat([f._send() for f in flats], out=staging[r])  # this rank's row, in place
+        for flat, mine in zip(flats, torch.split(staging[r], [f.shard_numel for f in flats])):
+            flat.write_send(mine)  # this rank's row, in place
         handle = comm.all_gather(staging, staging[r], first.group, async_op=True,
                                  tag="+".join(f.name for f in flats))
 

@@ -14,17 +14,77 @@ param-group order: ``{"state": {i: {...}}, "param_groups": [{..., "params": [i, 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 from minishard import comm
 from minishard.checkpoint_files import CheckpointError
+from minishard.flat import FlatMode
 from minishard.verdicts import rank0_verdict
 
 __all__ = ["gathered", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict",
            "load_full_optimizer_state_dict", "original_parameter_names", "named_params",
            "split_state", "group_param_names", "hyperparameters", "torch_optimizer_state",
            "buffer_state"]
+
+
+# ------------------------------------------------------------------- gathering full tensors
+class Staging:
+    """ONE buffer of bytes that a phase going flat buffer by flat buffer (an export, a load)
+    lands every collective in: sized by its largest request, each request a view of it. So the
+    phase's staging is one allocation, whatever the number of units, and a finished collective
+    that gloo's threads still reference (comm.FINISHED_KEPT_BY_BACKEND) keeps nothing else
+    alive."""
+
+    def __init__(self, units, numel) -> None:
+        """Room for ``numel(flat)`` elements of the largest of the units' flat buffers."""
+        flats = [f for u in units for f in u.flats]
+        nbytes = max((numel(f) * f.dtype.itemsize for f in flats), default=0)
+        self._bytes = torch.empty(nbytes, dtype=torch.uint8,
+                                  device=flats[0].full.device if flats else None)
+
+    def get(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > self._bytes.numel():  # a request larger than planned: grow once
+            self._bytes = self._bytes.new_empty(nbytes)
+        return self._bytes[:nbytes].view(dtype).view(shape)
+
+
+def gather_full(flat, pieces: list[torch.Tensor], what: str = "state dict", keep: bool = True,
+                staging: Staging | None = None) -> list[torch.Tensor] | None:
+    """Every rank's ``pieces`` of ``flat``'s parameters (one each, shaped like this rank's shard
+    of it: the values, or an optimizer state such as Adam's ``exp_avg``) joined into the full
+    tensors, no padding: what state dicts need, whatever the stage or mixed precision.
+
+    The gather lands in N x k staging rows (this rank's row filled in place; a view of
+    ``staging`` when given), then each full tensor is copied out. A rank that only takes part
+    (``keep=False``: ``rank0_only`` on the others) copies nothing out and returns None."""
+    if flat.mode is FlatMode.NONE:  # every rank already holds all of it
+        return [t.detach().reshape(s).clone() for t, s in zip(pieces, flat.shapes)] \
+            if keep else None
+    shape, dtype = (flat.ranks, flat.shard_numel), pieces[0].dtype
+    rows = staging.get(shape, dtype) if staging else pieces[0].new_empty(shape)
+    for o, t in zip(flat.offsets, pieces):  # padding is sent, never read
+        rows[flat.rank, o:o + t.numel()] = t.detach().reshape(-1)
+    comm.all_gather(rows, rows[flat.rank], flat.group, tag=f"{flat.name} ({what})")
+    if not keep:
+        return None
+    return [_unpad(rows[:, o:o + w], n).view(s) for o, w, n, s in
+            zip(flat.offsets, flat.widths, flat.numels, flat.shapes)]
+
+
+def _unpad(columns: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` elements of ``columns`` (N x w, one parameter's chunk from each rank,
+    padding at the end) read row by row, in a new tensor of exactly ``n``: the whole chunks in
+    one copy, the last one's real part in another."""
+    w = columns.shape[1]
+    whole, rest = divmod(n, w) if w else (0, 0)
+    out = columns.new_empty(n)
+    out[:whole * w].view(whole, w).copy_(columns[:whole])
+    if rest:
+        out[whole * w:].copy_(columns[whole, :rest])
+    return out
 
 
 # ------------------------------------------------------------------------ full parameters
@@ -40,7 +100,7 @@ def gathered(units, writeback: bool, on_gather, put_back):
     for unit in units:
         for flat in unit.flats:
             if flat.param_dtype != flat.dtype:
-                values = masters[id(flat)] = flat.gather_shards(flat.params, "gathered()")
+                values = masters[id(flat)] = gather_full(flat, flat.params, "gathered()")
             else:
                 unit.gather_flat(flat, False, on_gather)
                 values = flat.views(detached=True)
@@ -76,14 +136,13 @@ def full_state_dict(units, module, keys: list[str], every, rank0_only: bool) -> 
     rank 0 for a mesh over the job): one file on one machine, not one per replica."""
     keep = not rank0_only or comm.group_rank(every) == 0
     values: dict[str, torch.Tensor] = {}
+    staging = Staging(units, lambda f: f.ranks * f.shard_numel)
     for unit in units:
         for flat in unit.flats:
-            full = flat.gather_shards(flat.params)
-            if not keep:
-                continue
-            for param, value in zip(unit.params(flat), full):
-                for place in param.places:
-                    values[place.fqn] = value.clone()
+            full = gather_full(flat, flat.params, keep=keep, staging=staging)
+            for param, value in zip(unit.params(flat), full or ()):
+                for place in param.places:  # a tied parameter: one tensor, as state_dict()
+                    values[place.fqn] = value
     if not keep:
         return {}
     for name, buf in buffer_state(module).items():
@@ -105,25 +164,31 @@ def load_full_state_dict(units, module, keys: list[str], every, state_dict,
         error = rank0_verdict(error, every, device, tag="load_full_state_dict")
     if error is not None:
         raise (KeyError if "missing keys" in error else ValueError)(error)
+    staging = Staging(units, lambda f: f.numel)
     with torch.no_grad():
         for unit in units:
             for flat in unit.flats:
-                params = list(unit.params(flat))
-                if rank0 or not from_rank0:
-                    full = torch.cat([state_dict[p.name].reshape(-1).to(flat.dtype)
-                                      for p in params]).to(flat.full.device)
-                else:
-                    full = torch.empty(flat.numel, dtype=flat.dtype, device=flat.full.device)
-                if from_rank0:
-                    comm.broadcast(full, 0, every, tag=f"{flat.name} (from rank 0)")
-                flat.load_master([v.view(s) for v, s in
-                                  zip(torch.split(full, flat.numels), flat.shapes)])
+                _load_flat(unit, flat, state_dict, every, rank0 or not from_rank0, from_rank0,
+                           staging)
         for name, buf in buffer_state(module).items():
             value = state_dict[name] if rank0 or not from_rank0 else buf.detach().clone()
             value = value.to(buf.device, buf.dtype)
             if from_rank0:
                 comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")
             buf.copy_(value)
+
+
+def _load_flat(unit, flat, state_dict, every, has_values: bool, from_rank0: bool,
+               staging: Staging) -> None:
+    """One flat buffer of ``load_full_state_dict``: its parameters joined into the staging
+    buffer (or received into it from rank 0), each rank keeping its rows."""
+    full = staging.get((flat.numel,), flat.dtype)
+    if has_values:
+        torch.cat([state_dict[p.name].reshape(-1).to(full.device, flat.dtype)
+                   for p in unit.params(flat)], out=full)
+    if from_rank0:
+        comm.broadcast(full, 0, every, tag=f"{flat.name} (from rank 0)")
+    flat.load_master([v.view(s) for v, s in zip(torch.split(full, flat.numels), flat.shapes)])
 
 
 def _state_dict_problem(units, keys: list[str], state_dict) -> str | None:
@@ -240,14 +305,15 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
     """
     groups = _numbering(model, optimizer, param_names)
     full: dict[int, dict] = {}  # id(Param) -> its full state. Same collectives on all ranks.
+    staging = Staging(model.units, lambda f: f.ranks * f.shard_numel)
     for unit in model.units:
         for flat in unit.flats:
             states = [optimizer.state.get(p, {}) for p in flat.params]
             keys = sorted({k for s, p in zip(states, flat.params)
                            for k in split_state(s, p)[0]})
-            gathered_keys = {k: flat.gather_shards(
-                [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
-                "optimizer state") for k in keys}
+            gathered_keys = {k: gather_full(
+                flat,                 [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
+                "optimizer state", staging=staging) for k in keys}
             for param, state in zip(unit.params(flat), states):
                 if state:
                     per_element, scalars = split_state(state, param.user)

@@ -373,7 +373,7 @@ def _assemble(name: str, param, meta: dict, files: _ShardFiles):
             scalars = entry["scalars"]
             for key, t in entry["state"].items():
                 state_pieces.setdefault(key, []).append(t[cut])
-    values = torch.cat(pieces)
+    values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # one source: no copy
     if values.shape != held.shape:
         raise CheckpointError(f"parameter {name!r}: assembled {tuple(values.shape)} for rows "
                               f"[{lo}, {hi}) from {files.path}; the checkpoint is inconsistent")
@@ -383,5 +383,5 @@ def _assemble(name: str, param, meta: dict, files: _ShardFiles):
         raise CheckpointError(f"parameter {name!r}: old ranks {sources} hold this rank's rows, "
                               f"but only {with_state} saved optimizer state; the checkpoint is "
                               "inconsistent")
-    return values, {**scalars, **{k: torch.cat(v).reshape(shape)
+    return values, {**scalars, **{k: (v[0] if len(v) == 1 else torch.cat(v)).reshape(shape)
                                   for k, v in state_pieces.items()}}
