@@ -17,7 +17,10 @@ So no rank holds more than what its stage keeps + one module's full tensors (+ t
 which every rank keeps): at stage 3, the shards + at most the largest unit's full tensors,
 when each module's tensors belong to its unit. (Laying out a stage-3 buffer allocates its
 full tensor and frees it at once, untouched: also within that bound.) ``WrapMeter`` counts
-it all; tests/test_deferred_init.py checks the count exactly.
+it all; tests/test_deferred_init.py checks the count exactly. What is really ALLOCATED adds
+the module before, whose broadcast gloo's worker thread still holds (comm.
+FINISHED_KEPT_BY_BACKEND): the shards + 2 units, tests/test_memory_wall.py; and each module's
+freed pages go back to the operating system at once (allocations.release_free_pages).
 
 **Why module by module, in modules() order.** Building under ``torch.device("meta")``
 consumes no random numbers, and ``modules()`` visits submodules in registration order, so
@@ -56,6 +59,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minishard import comm
+from minishard.allocations import release_free_pages
 from minishard.meters import WrapMeter, storage_bytes
 from minishard.verdicts import rank0_verdict
 
@@ -97,6 +101,7 @@ def materialize(root: nn.Module, units: list, group, deferred: DeferredInit,
     buffers: dict[int, torch.Tensor] = {}      # id(original buffer) -> the one it became
     for name, module in root.named_modules():
         _materialize_module(name, module, slots, written, buffers, group, deferred, meter)
+        release_free_pages()  # the module's full tensors are gone: their pages too
 
 
 def _materialize_module(name, module, slots, written, buffers, group, deferred, meter) -> None:

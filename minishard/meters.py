@@ -5,8 +5,34 @@
   what happened to each unit ("gather", "forward", "free", "backward", "reduce").
 * :class:`WrapMeter` counts the parameter and buffer bytes held while wrapping.
 * :func:`memory_report` is ``model.memory_report()``: bytes held right now, by kind.
+* :func:`step_transients` is the formula for what a training step allocates on top of that,
+  buffer by buffer; ``memory_report(measured=...)`` puts an allocation tracker's peak beside it.
 
 Meters only read: nothing here changes a tensor or issues a collective.
+
+[Note: a step's memory] The most bytes one training step (forward and backward; the
+optimizer's ``step`` is the user's) allocates beyond what the rank held before it. Activations
+are the module's own and not counted. U is the largest unit's full parameters, Ug the largest
+gather (U, or ``bucket_bytes`` at stage 3), Ur the largest reduction (a unit's full gradient,
+plus ``bucket_bytes``: a bucket launches once it holds that many), Psi every trainable unit's
+full gradient, N the shard group's size::
+
+    gathered parameters   stage 3: the root unit + (1 + prefetch) Ug
+    gather staging        stage 3: Ug (the N x k rows a gather lands from; none at N = 1)
+    autograd gradients    the unit in backward: each parameter's gradient and the flat gradient
+                          they fill, 2 U (+ U cast to reduce_dtype)
+    full gradients        stages 0-1 (and find_unused): Psi, until the end of backward;
+                          stages 2-3: those waiting in the bucket, bucket_bytes
+    reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out);
+                          stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
+    shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0: views
+                          of the all-reduced copy, or a cast of them)
+    kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
+                          comm.FINISHED_KEPT_BY_BACKEND x the largest one
+
+Stages 1-2 re-gather in forward, two buckets of about ``config.BUCKET_BYTES`` in flight: the
+step's peak is the larger of that and backward's. tests/test_memory_wall.py measures every
+configuration against it with :class:`~minishard.allocations.Allocations`.
 """
 from __future__ import annotations
 
@@ -15,9 +41,12 @@ import time
 
 import torch
 
+from minishard import comm, config
 from minishard.flat import FlatMode
+from minishard.gathers import MAX_GATHERS_IN_FLIGHT
+from minishard.reductions import MAX_REDUCTIONS_IN_FLIGHT
 
-__all__ = ["Meters", "WrapMeter", "memory_report"]
+__all__ = ["Meters", "WrapMeter", "memory_report", "step_transients"]
 
 
 class Meters:
@@ -100,12 +129,15 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None
-                  ) -> dict[str, int]:
+def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
+                  transients: dict[str, int] | None = None, measured=None) -> dict:
     """``model.memory_report(optimizer)``: bytes held now, counted by storage: ``params``,
     ``grads``, ``optimizer`` (its state for the user parameters); peaks of the last step:
     ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at once
-    in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`)."""
+    in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`). With ``measured`` (an
+    :class:`~minishard.allocations.Allocations` that watched a training step): its
+    ``measured_step_peak`` beside ``formula_step_peak``, the sum of ``transients`` (the
+    buffers :func:`step_transients` names; activations are the module's and not in it)."""
     params = 0
     grads: dict[int, int] = {}  # by storage: the grads of one reduced piece share one
     for unit in units:
@@ -121,7 +153,62 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None
             if id(p) in mine:
                 opt += sum(v.numel() * v.element_size() for v in state.values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return {"params": params, "grads": sum(grads.values()), "optimizer": opt,
-            "peak_gathered_params": meters.peak_gathered_bytes,
-            "peak_full_grads": meters.peak_full_grad_bytes,
-            "peak_wrapping": wrap_meter.peak}
+    report = {"params": params, "grads": sum(grads.values()), "optimizer": opt,
+              "peak_gathered_params": meters.peak_gathered_bytes,
+              "peak_full_grads": meters.peak_full_grad_bytes,
+              "peak_wrapping": wrap_meter.peak}
+    if measured is not None:
+        report.update(measured_step_peak=measured.peak,
+                      formula_step_peak=sum(transients.values()), transients=dict(transients))
+    return report
+
+
+def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
+    """A flat buffer's full gradient, padded, in ``dtype`` (None: the compute dtype)."""
+    return flat.padded_numel * (dtype or flat.param_dtype).itemsize
+
+
+def step_transients(model) -> dict[str, int]:
+    """[Note: a step's memory], buffer by buffer, for ZeRO engine ``model``."""
+    units, root, policy = model.units, model.module, model.policy
+    world, prefetch, bucket_bytes = comm.group_size(model.group), model.prefetch, model.bucket_bytes
+    reduce_dtype = model.mp.reduce_dtype
+    stage_frees_params = policy.free_after_forward
+    keeps_full_grads = not policy.free_grads_early or model.find_unused
+    limits_reductions = policy.free_grads_early
+    flats = [f for u in units for f in u.flats]
+    trainable = [f for f in flats if f.requires_grad]
+    if not trainable:
+        return {}
+    sharded = flats[0].mode is not FlatMode.NONE
+    unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
+    grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
+    reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)
+               for u in units]
+    psi = sum(reduced)
+    cast = reduce_dtype is not None and any(f.param_dtype != reduce_dtype for f in trainable)
+    out = {"autograd gradients": 2 * max(grads) + (max(reduced) if cast else 0)}
+    if stage_frees_params:
+        largest_gather = max([b for u, b in zip(units, unit_full) if u.module is not root]
+                             + [bucket_bytes])
+        out["gathered parameters"] = (sum(b for u, b in zip(units, unit_full)
+                                          if u.module is root)
+                                      + (1 + prefetch) * largest_gather)
+        out["gather staging"] = largest_gather if world > 1 else 0
+    out["full gradients"] = psi if keeps_full_grads else bucket_bytes
+    if limits_reductions:
+        out["reductions in flight"] = MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
+    else:
+        out["reductions in flight"] = (2 if sharded else 1) * psi
+    out["shard gradients"] = sum(f.shard_numel * f.dtype.itemsize for f in trainable
+                                 if sharded or f.dtype != (reduce_dtype or f.param_dtype))
+    collectives = [out["reductions in flight"] // MAX_REDUCTIONS_IN_FLIGHT
+                   if limits_reductions else 2 * max(reduced), out.get("gather staging", 0)]
+    if sharded and not stage_frees_params:
+        regathers = min(MAX_GATHERS_IN_FLIGHT * (max(unit_full) + config.BUCKET_BYTES),
+                        sum(f.full_bytes() for f in flats))
+        collectives.append(regathers)
+        if regathers > sum(out.values()):  # forward's peak is the larger
+            out = {"gather staging": regathers}
+    out["kept by the backend"] = comm.FINISHED_KEPT_BY_BACKEND * max(collectives)
+    return {name: nbytes for name, nbytes in out.items() if nbytes}

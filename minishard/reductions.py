@@ -82,12 +82,16 @@ class Reducer:
             self._flush_bucket()
 
     def _flush_bucket(self) -> None:
-        if self._bucket:
-            nbytes = sum(f.full_bytes() for f in self._bucket)
-            self._in_flight.append((reduce_grads(self._bucket, self.reduce_dtype), nbytes))
-            self._bucket = []
-        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:
+        """Launch the bucket; at stages 2-3 first wait for the oldest reduction if
+        MAX_REDUCTIONS_IN_FLIGHT are unfinished, so no more than that many hold their send
+        and receive buffers at once."""
+        if not self._bucket:
+            return
+        while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
             self._in_flight.pop(0)[0].wait()
+        nbytes = sum(f.full_bytes() for f in self._bucket)
+        self._in_flight.append((reduce_grads(self._bucket, self.reduce_dtype), nbytes))
+        self._bucket = []
 
     def finish(self, sync_grads: bool) -> None:
         """End of backward: reduce what is left, wait for every reduction.

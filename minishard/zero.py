@@ -46,8 +46,7 @@ every full gradient to the end of backward anyway, so they coalesce ready ones i
 of about ``config.BUCKET_BYTES`` (4 MiB, as DDP's buckets). Stages 2-3 launch each unit's at
 once, at most two in flight, freeing full gradients early; ``bucket_bytes`` coalesces up to that
 many bytes, and stage 3 gathers consecutive units in one collective (once the order is known).
-Stages 1-2 coalesce lazy re-gathers into about ``config.BUCKET_BYTES``. A bucket costs memory
-and saves per-call cost: ~0.8 ms of CPU per gloo collective (bench/RESULTS.md).
+Stages 1-2 coalesce lazy re-gathers into about ``config.BUCKET_BYTES``. Memory: meters.py.
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
@@ -75,7 +74,7 @@ from minishard.config import (MixedPrecision, cast_buffers, cast_inputs, check_a
                               shard_param_groups)
 from minishard.flat import FlatMode
 from minishard.gathers import Gatherer, Pass
-from minishard.meters import Meters, WrapMeter, memory_report
+from minishard.meters import Meters, WrapMeter, memory_report, step_transients
 from minishard.reductions import Reducer
 from minishard.unit import Unit
 
@@ -341,11 +340,10 @@ class ZeRO(trace.Traced, nn.Module):
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
         """Full parameters visible on every rank inside the block (like FSDP's
-        ``summon_full_params``), in the master dtype, under ``torch.no_grad()``. With
-        ``writeback``, edits to them are kept. Without it, stage 3 drops them; stages 0-2 keep them all the same (when not under
-        mixed precision): there the full parameters share storage with the shards. Under mixed
-        precision the block shows the fp32 masters gathered from the shards, and writes back
-        only a shard that was edited: the block never rounds the master weights."""
+        ``summon_full_params``), in the master dtype, under ``torch.no_grad()``. Edits are kept
+        with ``writeback``; without it stage 3 drops them, stages 0-2 keep them anyway (full and
+        shards share storage there). Under mixed precision the block shows the fp32 masters
+        gathered from the shards and writes back only an edited shard: never a rounded one."""
         with full_state.gathered(self.units, writeback, self._meters.on_gather, self._put_back):
             yield self.module
 
@@ -358,10 +356,9 @@ class ZeRO(trace.Traced, nn.Module):
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank.
 
-        With ``rank0_only`` (FSDP's name), only rank 0 builds it and the others return ``{}``:
-        the model is gathered one flat buffer at a time (every rank takes part in each gather
-        and drops it at once), and rank 0 alone keeps a copy: no other rank ever holds more
-        than one unit's full tensors."""
+        With ``rank0_only`` (FSDP's name), only rank 0 keeps it and the others return ``{}``:
+        the model is gathered one flat buffer at a time into ONE staging buffer (full_state.
+        Staging), so another rank allocates exactly the largest buffer's N x k gather rows."""
         return full_state.full_state_dict(self.units, self.module, self.state_keys,
                                           self.every_group, rank0_only)
 
@@ -371,7 +368,7 @@ class ZeRO(trace.Traced, nn.Module):
 
         With ``from_rank0``, only rank 0's ``state_dict`` is read (the others may pass None):
         rank 0 checks it and tells every rank its verdict, then broadcasts it one flat buffer
-        at a time, each rank keeping its shard; buffers follow, one by one."""
+        at a time through one staging buffer (the largest's size), each rank keeping its rows."""
         full_state.load_full_state_dict(self.units, self.module, self.state_keys,
                                         self.every_group, state_dict, from_rank0)
         self.refresh_full_params()
@@ -393,7 +390,11 @@ class ZeRO(trace.Traced, nn.Module):
                                    doc="Stage 3: most full-parameter bytes gathered at once.")
     peak_full_grad_bytes = property(lambda self: self._meters.peak_full_grad_bytes)
 
-    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds now by kind (``params``, ``grads``, ``optimizer``: its state
-        for our shards), and the peaks of the last step (meters.py)."""
-        return memory_report(self.units, self._meters, self._wrap_meter, optimizer)
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None,
+                      measured=None) -> dict:
+        """Bytes held now by kind, the last step's peaks (meters.py); ``measured`` (a
+        ``minishard.Allocations`` that watched a step): its peak beside the formula's."""
+        return memory_report(self.units, self._meters, self._wrap_meter, optimizer,
+                             step_transients(self), measured)
+
+    step_transients = step_transients  # meters.py: what a step allocates, buffer by buffer
