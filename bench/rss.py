@@ -2,6 +2,8 @@
 
     python bench/rss.py [--model mlp|gpt] [--nproc 2]
     python bench/rss.py --wrap            (wrapping only: eager vs meta build, stage 3, 2 and 4 ranks)
+    python bench/rss.py --walls [--nproc 3] [--blocks 16] [--width 512]
+                                          (the memory wall: a rank-0 export, twice the model, a meta wrap)
 
 Real process memory, so the stages' memory claims show up outside minishard's own accounting:
 the resident set's growth from before the system is built to after its training steps, and to
@@ -78,6 +80,71 @@ def wrap_worker(build: str) -> None:
     dist.destroy_process_group()
 
 
+def _growth(fn) -> int:
+    """Resident-set growth while ``fn()`` runs: the kernel's high-water mark (VmHWM, reset first
+    through /proc/self/clear_refs) minus the resident set just before."""
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")
+    before = _resident("VmRSS")
+    fn()
+    return _resident("VmHWM") - before
+
+
+def walls_worker(phase: str, blocks: int, width: int) -> None:
+    """One rank (under torchrun, a fresh job per phase: freed memory a process keeps would hide
+    the next phase's growth) of the memory wall's two promises at stage 3, as a fraction of the
+    model's fp32 bytes, max over the ranks the promise is about:
+
+      export   full_state_dict(rank0_only=True): growth of the ranks other than 0
+      meta     wrapping a model built on the meta device: growth of every rank
+    """
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import minishard
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+
+    def layers(n, w=width):
+        return nn.Sequential(*[nn.Linear(w, w) for _ in range(n)])
+    with torch.device("meta" if phase == "meta" else "cpu"):
+        warm, module = layers(2, 8), layers(blocks)
+    minishard.ZeRO(warm, stage=3, units={nn.Linear}, device="cpu").full_state_dict(
+        rank0_only=True)  # the code paths once, small: pages of code and kernels
+    if phase == "export":
+        model = minishard.ZeRO(module, stage=3, units={nn.Linear})
+        dist.barrier()
+        grown = 0 if rank == 0 else _growth(lambda: model.full_state_dict(rank0_only=True))
+        if rank == 0:
+            model.full_state_dict(rank0_only=True)
+    else:
+        dist.barrier()
+        grown = _growth(lambda: minishard.ZeRO(module, stage=3, units={nn.Linear}, device="cpu"))
+    row = torch.tensor([grown / (blocks * (width * width + width) * 4)], dtype=torch.float64)
+    dist.all_reduce(row, op=dist.ReduceOp.MAX)  # bench code: not the library's door
+    if rank == 0:
+        print(f"WALL {phase} {row.item():.3f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def walls(nproc: int, blocks: int, width: int) -> None:
+    """The three fresh jobs; prints ``WALL export|export_doubled|meta FRACTION``."""
+    for name, phase, n in (("export", "export", blocks), ("export_doubled", "export", 2 * blocks),
+                           ("meta", "meta", blocks)):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             f"--nproc_per_node={nproc}", str(Path(__file__).resolve()), "--walls-worker",
+             phase, "--blocks", str(n), "--width", str(width)],
+            capture_output=True, text=True, check=True).stdout
+        value = re.search(r"WALL \S+ ([\d.]+)", out).group(1)
+        print(f"WALL {name} {value}", flush=True)
+
+
 def wrap_table(env: dict) -> None:
     print(f"wrapping {WRAP_LAYERS} x Linear({WRAP_WIDTH}) at stage 3, units = each Linear (MiB, "
           "max over ranks)")
@@ -101,17 +168,21 @@ def wrap_table(env: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=None, help="ranks (2; --walls: 3)")
     parser.add_argument("--wrap", action="store_true", help="measure wrapping only (see doc)")
     parser.add_argument("--wrap-worker", choices=["eager", "meta"], help=argparse.SUPPRESS)
+    parser.add_argument("--walls", action="store_true", help="the memory wall (see doc)")
+    parser.add_argument("--walls-worker", choices=["export", "meta"], help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--width", type=int, default=512)
     args = parser.parse_args()
     if args.wrap_worker:
         return wrap_worker(args.wrap_worker)
-    # glibc keeps freed large blocks for reuse unless the mmap threshold is fixed: then every
-    # large tensor is its own mapping, returned to the OS when freed, and RSS tracks live tensors.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
-    if args.wrap:
-        return wrap_table(env)
+    if args.walls_worker:
+        return walls_worker(args.walls_worker, args.blocks, args.width)
+    if args.walls:  # the allocator as users have it: no MALLOC_ settings
+        return walls(args.nproc or 3, args.blocks, args.width)
+    args.nproc = args.nproc or 2
     print(f"model {args.model}, {args.nproc} ranks: resident memory growth per rank (MiB), "
           "after the steps and at the peak")
     for name in SYSTEMS:

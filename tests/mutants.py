@@ -52,9 +52,9 @@ MUTANTS = {
          "tests/test_zero.py::test_ledger_one_step_is_the_stage_formula"]),
     "master_rounded_to_bf16": (
         "the fp32 master shard is rounded to the compute dtype at every gather",
-        [("minishard/flat.py", "            return self._master.to(self.param_dtype)",
+        [("minishard/flat.py", "            out.copy_(self._master)",
           "            self._master.copy_(self._master.to(self.param_dtype))\n"
-          "            return self._master.to(self.param_dtype)")],
+          "            out.copy_(self._master)")],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
     "syncbn_second_pass_only_when_all_cancel": (
         "SyncBatchNorm's centred second pass taken when ALL channels cancel instead of ANY",
@@ -107,6 +107,23 @@ MUTANTS = {
           "            self._used.add(id(flat))  # launched at the end of backward, in the fixed order",
           "            self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
+    "export_copies_on_every_rank": (
+        "full_state_dict(rank0_only=True) copies every full tensor out on the other ranks too",
+        [("minishard/full_state.py", "    if not keep:\n        return None\n    return [_unpad(",
+          "    return [_unpad(")],
+        ["tests/test_memory_wall.py::test_rank0_only_export_holds_two_units_on_the_other_ranks"]),
+    "staging_per_unit": (
+        "every gather of an export or a load allocates its own staging rows, not a view of one",
+        [("minishard/full_state.py", "        return self._bytes[:nbytes].view(dtype).view(shape)",
+          "        return self._bytes.new_empty(nbytes).view(dtype).view(shape)")],
+        ["tests/test_memory_wall.py::test_rank0_only_export_holds_two_units_on_the_other_ranks",
+         "tests/test_memory_wall.py::test_load_from_rank0_holds_two_units"]),
+    "reduction_launched_before_the_oldest_is_waited": (
+        "stages 2-3 launch a reduction before waiting for the oldest: three in flight, not two",
+        [("minishard/reductions.py",
+          "        while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:",
+          "        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:")],
+        ["tests/test_memory_wall.py::test_a_training_step_allocates_no_more_than_the_formula"]),
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
         [("minishard/dcp_checkpoint.py",
