@@ -14,6 +14,10 @@ For each system it prints new/old of the median step time per round, and a verdi
     slower / faster        EVERY round's ratio is above 1 + band / below 1 - band
     no real difference     the rounds disagree, or stay within the band
 
+Then each system runs alone in a fresh job on each tree (``--only``, 5 steps), and its peak
+resident memory growth is printed beside the times (``--no-memory`` skips it): an A/B shows
+both.
+
 The stock systems (torch DDP, FSDP, the floor) run the same code on both sides: their ratios
 are the control, and show how far two runs of identical code drift apart here. A control that
 reads "slower" or "faster" says the machine changed speed during the run: measure again.
@@ -24,6 +28,7 @@ is faster alone can make the step slower (bench/RESULTS.md, issue 24). Only whol
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,24 @@ def run_once(tree: Path, script: Path, nproc: int, args: list[str], out: Path) -
     return result["systems"]
 
 
+def peak_rss_once(tree: Path, script: Path, nproc: int, args: list[str], name: str) -> float:
+    """System ``name`` alone in a fresh torchrun job (``--only``, a few steps): its peak
+    resident growth in MiB, max over ranks, or NaN if the run printed none."""
+    keep, skip = [], False
+    for a in args:  # --systems picks among several; --only runs one
+        if skip or a == "--systems":
+            skip = not skip
+            continue
+        keep.append(a)
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(script), *keep, "--only", name, "--steps", "5",
+           "--warmup", "2"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True).stdout
+    m = re.search(r"peak growth ([\d.]+) MiB", out)
+    return float(m.group(1)) if m else float("nan")
+
+
 def verdict(ratios: list[float], band: float) -> str:
     if all(r > 1 + band for r in ratios):
         return "slower"
@@ -72,6 +95,8 @@ def main() -> None:
     parser.add_argument("--band", type=float, default=0.03,
                         help="a round counts as slower/faster only beyond 1 +- band")
     parser.add_argument("--script", default=str(REPO / "bench" / "zero_vs_stock.py"))
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the peak resident memory runs (one fresh job per system)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)  # after --: the benchmark's arguments
     args, bench_args = parser.parse_args(argv[:cut]), argv[cut + 1:]
@@ -90,7 +115,11 @@ def main() -> None:
                                   Path(tmp) / f"{side}{i}.json") for side in order}
             results.append(got)
             print(f"round {i + 1} ({' then '.join(order)}) done", flush=True)
-    names = [n for n in results[0]["new"] if all(n in r["old"] for r in results)]
+        names = [n for n in results[0]["new"] if all(n in r["old"] for r in results)]
+        rss = {} if args.no_memory else {
+            (side, name): peak_rss_once(trees[side], Path(args.script), args.nproc, bench_args,
+                                        name)
+            for name in names for side in ("old", "new")}
     only = sorted(set(results[0]["new"]) ^ set(results[0]["old"]))
     head = (f"\n{'system':<36}" + "".join(f"{f'round {i + 1}':>9}" for i in range(args.rounds))
             + f"{'range':>14}  verdict (new/old of the median step time)")
@@ -108,6 +137,12 @@ def main() -> None:
     print("\nmedian over rounds of each run's median ms: "
           + ", ".join(f"{n}: {ms['old'][n]:.1f} -> {ms['new'][n]:.1f}" for n in names
                       if n.startswith("minishard")))
+    if rss:
+        print("\npeak resident memory growth, MiB (each system alone in a fresh job, 5 steps, "
+              "max over ranks):")
+        for name in names:
+            old, new = rss["old", name], rss["new", name]
+            print(f"  {name:<34}{old:>8.1f} -> {new:>7.1f}  ({new - old:+.1f})")
     if only:
         print(f"in one tree only (not compared): {', '.join(only)}")
 

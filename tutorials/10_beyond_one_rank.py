@@ -10,19 +10,21 @@ Stage 3 needs 16Ψ/N per rank plus a few units in flight. The steps, each assert
 
   1. BUILD ON META. ``with torch.device("meta"):`` builds the model without allocating a byte.
      ``minishard.ZeRO(..., stage=3)`` then materialises it one module at a time: rank 0 runs
-     each layer's ``reset_parameters()``, broadcasts, every rank keeps its 1/N slice. The
-     most a rank ever held while wrapping is measured (memory_report's ``peak_wrapping``) and
-     is at most its shards plus the largest unit. (An eager build would first hold 4Ψ on
-     every rank -- more than the budget at N = 4.) And the values are those of an eager build
-     with the same seed, checked here on a small copy of the model.
+     each layer's ``reset_parameters()``, broadcasts, every rank keeps its 1/N slice. What a
+     rank ALLOCATED while wrapping is measured (``minishard.Allocations`` sees every tensor
+     storage made) and is at most its shards plus two units: the module being materialised
+     and the one before, whose broadcast gloo's thread still holds. (An eager build would
+     first hold 4Ψ on every rank -- more than the budget at N = 4.) And the values are those
+     of an eager build with the same seed, checked here on a small copy of the model.
   2. TRAIN at stage 3 with Adam; each rank's peak of model-state bytes (shards, Adam state,
      shard gradients, plus the full parameters and gradients in flight) printed beside 16Ψ/N
-     and the budget.
+     and the budget; and one step's allocations measured beside ``memory_report``'s formula,
+     every transient buffer named.
   3. CHECKPOINT: one file per rank, each with that rank's shards (never a gathered model);
      reloaded into a second meta-built model, equal.
   4. EXPORT with ``full_state_dict(rank0_only=True)``: rank 0 receives the model unit by unit
      and is the only one to hold the full dict (4Ψ: the file a single-process user loads);
-     the other ranks return {} and never hold more than one unit of it.
+     the other ranks return {} and allocate one staging buffer, the largest unit's gather.
   5. STAGE 0 DOES NOT FIT: the estimator (``python -m minishard.plan``) says so (and says why
      this lesson trains stage 3 at every N: at 2 ranks stage 2 would fit too and is what the
      estimator recommends; at 3 and 4 stage 3 is the only fit), and on Linux a
@@ -155,24 +157,27 @@ def main(rank: int, world: int) -> None:
 
     # ---- 1. build on meta, wrap: one module at a time
     check_equals_eager(say)
-    model = wrap_from_meta(blocks)
+    with minishard.Allocations() as wrapping:
+        model = wrap_from_meta(blocks)
     shards = sum(f.shard_numel * 4 for u in model.units for f in u.flats)  # padded slices
     largest = max(sum(f.full_bytes() for f in u.flats) for u in model.units)
-    wrap_peaks = per_rank(model.memory_report()["peak_wrapping"])
-    say(f"Wrapping: most bytes held at once per rank {[fmt_decimal(p) for p in wrap_peaks]}; "
-        f"shards + largest unit = {fmt_decimal(shards)} + {fmt_decimal(largest)}. An eager "
-        f"build would hold 4Ψ = {fmt_decimal(4 * psi)} first.")
-    assert max(wrap_peaks) <= shards + largest <= BUDGET
+    wrap_peaks = per_rank(wrapping.peak)
+    say(f"Wrapping: most bytes allocated at once per rank "
+        f"{[fmt_decimal(p) for p in wrap_peaks]}; shards + two units = {fmt_decimal(shards)} + "
+        f"2 x {fmt_decimal(largest)}. An eager build would hold 4Ψ = {fmt_decimal(4 * psi)} "
+        "first.")
+    assert max(wrap_peaks) <= shards + 2 * largest <= BUDGET
 
     # ---- 2. train at stage 3
     opt = torch.optim.Adam(model.parameters(), lr=3e-4)
     losses, peak = [], 0
     for step in range(STEPS):
         x, y = batch(rank, world)
-        loss = (model(x) - y).square().mean()
-        loss.backward()
+        with minishard.Allocations() as allocated:  # every storage the step makes
+            loss = (model(x) - y).square().mean()
+            loss.backward()
         opt.step()
-        m = model.memory_report(opt)  # after the step: shards, their grads, Adam state
+        m = model.memory_report(opt, measured=allocated)  # shards, their grads, Adam state
         peak = max(peak, m["params"] + m["grads"] + m["optimizer"]
                    + m["peak_gathered_params"] + m["peak_full_grads"])
         opt.zero_grad()
@@ -184,7 +189,16 @@ def main(rank: int, world: int) -> None:
         say(f"{r:<6}{fmt_decimal(p):>12}{fmt_decimal(share):>12}{fmt_decimal(BUDGET):>12}")
     assert max(peaks) <= BUDGET and min(peaks) >= share and losses[-1] < losses[0]
     say("(peak held = shards + shard grads + Adam state = 16Ψ/N exactly, plus the full "
-        "parameters and gradients of the units in flight)\n")
+        "parameters and gradients of the units in flight)")
+    # The module's own activations: each layer's input and output, and their gradients.
+    activations = 2 * 2 * BATCH * WIDTH * 4 * (blocks + 1)
+    say(f"Allocated by the last forward + backward: {fmt_decimal(m['measured_step_peak'])} "
+        f"on rank 0; the formula: {fmt_decimal(m['formula_step_peak'])} + activations "
+        f"{fmt_decimal(activations)}:")
+    for name, nbytes in m["transients"].items():
+        say(f"  {name:<22}{fmt_decimal(nbytes):>12}")
+    assert m["measured_step_peak"] <= m["formula_step_peak"] + activations
+    say("")
 
     # ---- 3. checkpoint: one file per rank, loaded into a second meta-built model
     root = os.path.join(tempfile.gettempdir(),
@@ -198,7 +212,8 @@ def main(rank: int, world: int) -> None:
     minishard.load_checkpoint(path, twin, twin_opt)
 
     # ---- 4. export on rank 0 only
-    exported = model.full_state_dict(rank0_only=True)
+    with minishard.Allocations() as exporting:
+        exported = model.full_state_dict(rank0_only=True)
     reloaded = twin.full_state_dict(rank0_only=True)
     held = sum(t.numel() * t.element_size() for t in exported.values())
     say(f"Export (rank0_only): rank 0 holds {len(exported)} tensors, {fmt_decimal(held)} "
@@ -210,6 +225,9 @@ def main(rank: int, world: int) -> None:
         assert all(torch.equal(exported[k], reloaded[k]) for k in exported)
     else:
         assert exported == {} and reloaded == {}
+        assert exporting.peak <= largest  # ONE staging buffer: the largest unit's gather
+    say(f"The other ranks allocated {[fmt_decimal(p) for p in per_rank(exporting.peak)[1:]]} "
+        f"while exporting: one staging buffer, the largest unit's {fmt_decimal(largest)}.")
     del exported, reloaded
 
     # ---- 5. stage 0 does not fit: the estimator, then a real out-of-memory error
