@@ -11,9 +11,8 @@ Every collective minishard issues goes through a function in this module. That b
    alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm).
 3. One place a reader has to look to know when ranks talk to each other.
 
-Each function takes ``group`` (``None`` = the default process group) and ``async_op``. With
-``async_op=True`` it returns a :class:`Handle`; call ``.wait()`` before reading the result.
-"""
+Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a
+:class:`Handle`; ``.wait()`` before reading the result)."""
 from __future__ import annotations
 
 import os
@@ -33,7 +32,7 @@ __all__ = [
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
     "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "all_gather_object",
-    "set_observer", "FINISHED_KEPT_BY_BACKEND",
+    "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS",
 ]
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -68,9 +67,8 @@ def set_observer(observer) -> None:
     _observer = observer
 
 
-# gloo runs a group's collectives on worker threads (two by default); each keeps the tensors of
-# the last one it ran until it runs another, so after ``wait()`` up to this many finished
-# collectives' buffers may stay alive (measured). Memory bounds count them (meters.py).
+# gloo's worker threads (two a group) each keep the last collective's tensors until they run
+# another: after ``wait()`` that many finished collectives' buffers may live on (meters.py).
 FINISHED_KEPT_BY_BACKEND = 2
 
 
@@ -243,19 +241,17 @@ def _copy_back(then, tensor: torch.Tensor, dense: torch.Tensor):
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
                tag: str = "", algorithm: str = "ring"):
-    """In place: ``tensor`` becomes the sum (``op="sum"``), mean (``"avg"``) or max (``"max"``)
-    over the group.
+    """In place: ``tensor`` becomes the ``op`` of every rank's (:data:`OPS`: "sum", "avg",
+    "max", "min", "product"); any other op is refused before anything is sent.
 
-    "avg" is done as SUM followed by a division on every backend: gloo and NCCL both give the same
-    numbers that way, and older gloo builds have no AVG. ``algorithm``: "ring" (the backend's
-    own), "direct" (:func:`_all_reduce_by_exchange`) or "auto" (the cheaper under the alpha-beta
-    model, see the module doc). Every rank must pass the same ``algorithm``; "auto" decides from
-    the size, the group and the backend, which every rank shares.
+    ``algorithm``: "ring" (the backend's own), "direct" (:func:`_all_reduce_by_exchange`),
+    "doubling" or "auto" (the cheaper under the alpha-beta model, see the module doc). Every
+    rank must pass the same ``algorithm``; "auto" decides from what every rank shares.
     """
     if algorithm not in ("ring", "direct", "doubling", "auto"):
         raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct', 'doubling' or 'auto', "
                          f"got {algorithm!r}")
-    n = group_size(group)
+    n, (red, _) = group_size(group), _op(op, "all_reduce")
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
@@ -270,15 +266,22 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm == "doubling" and n > 1:
         works, rest = _all_reduce_by_doubling(dense, op, group, n)
         return _finish(works, async_op, _copy_back(rest, tensor, dense))
-    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
     return _finish(work, async_op, _copy_back(then, tensor, dense))
 
 
-def _combine(op: str):
-    """How two ranks' values meet: max for "max", a sum for "sum" and "avg" (divided at the end)."""
-    return torch.maximum if op == "max" else torch.add
+# op -> (the backend's ReduceOp, how two ranks' values meet in comm's own algorithms); "avg"
+# is a sum divided by N at the end, on every backend (older gloo builds have no AVG).
+OPS = {"sum": (dist.ReduceOp.SUM, torch.add), "avg": (dist.ReduceOp.SUM, torch.add),
+       "max": (dist.ReduceOp.MAX, torch.maximum), "min": (dist.ReduceOp.MIN, torch.minimum),
+       "product": (dist.ReduceOp.PRODUCT, torch.mul)}
+
+
+def _op(op: str, who: str):
+    if op not in OPS:
+        raise ValueError(f"comm.{who}: op must be one of {sorted(OPS)}, got {op!r}")
+    return OPS[op]
 
 
 def _all_reduce_by_exchange(tensor, op, group, n):
@@ -303,7 +306,7 @@ def _all_reduce_by_exchange(tensor, op, group, n):
 
     def total() -> None:  # runs after every send finished: the own tensor may change now
         # Accumulate in recv[0], which holds part[0] or part[1]: no buffer beyond recv.
-        combine = _combine(op)
+        combine = OPS[op][1]
         acc = combine(parts[0], parts[1], out=recv[0])
         for part in parts[2:]:
             combine(acc, part, out=acc)
@@ -320,11 +323,9 @@ def _all_reduce_by_doubling(tensor, op, group, n):
         N = 4:   round 0  (0<->1) (2<->3)     t0 = t1 = a0+a1       t2 = t3 = a2+a3
                  round 1  (0<->2) (1<->3)     every t = (a0+a1) + (a2+a3)
 
-    Every rank gets the same bits: IEEE addition is commutative (x+y == y+x exactly), so two
-    partners that swap X and Y both hold X+Y; and by induction every rank of a block of 2^k
-    ranks holds the same X before round k. Sends log2 N * S bytes in log2 N messages, against the
-    direct exchange's (N-1) * S in N-1; but in log2 N rounds against 1, and each round needs the
-    previous one's sum: only round 0 is in flight on return, the others run inside ``wait()``."""
+    Every rank gets the same bits: IEEE x+y == y+x exactly (so are max, min, x*y), so partners
+    that swap X and Y both hold X+Y. log2 N * S bytes in log2 N messages and rounds (the direct
+    exchange: (N-1) * S in one); round 0 is in flight on return, the rest run in ``wait()``."""
     r, flat = group_rank(group), tensor.view(-1)
     recv = torch.empty_like(flat)
 
@@ -334,7 +335,7 @@ def _all_reduce_by_doubling(tensor, op, group, n):
                 dist.irecv(recv, peer, group=group, tag=_DOUBLING_TAG)]
 
     def add() -> None:  # runs after the round's send finished: flat may change now
-        _combine(op)(flat, recv, out=flat)
+        OPS[op][1](flat, recv, out=flat)
 
     def rest() -> None:
         add()
@@ -387,9 +388,9 @@ def _all_gather_by_broadcasts(output, shard, group, n):
 @torch.no_grad()
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", group=None,
                    async_op: bool = False, tag: str = ""):
-    """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the sum (or mean, ``op="avg"``)
-    of every rank's ``full``."""
-    n = group_size(group)
+    """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the ``op`` (:data:`OPS`) of
+    every rank's ``full``."""
+    n, (red, _) = group_size(group), _op(op, "reduce_scatter")
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
@@ -401,15 +402,14 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     if dist.get_backend(group) == "gloo":
         works, total = _reduce_scatter_by_exchange(mine, full, op, group, n)
         return _finish(works, async_op, _copy_back(total, shard, mine))
-    work = _reduce_scatter_flat(mine, full, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None
     return _finish(work, async_op, _copy_back(then, shard, mine))
 
 
 def _reduce_scatter_by_exchange(shard, full, op, group, n):
-    """gloo's reduce_scatter took 1.5x as long as an all-reduce of the same tensor (2 and 4 ranks,
-    1-8 MiB); a direct exchange takes a third of that. Rank r sends chunk j of its ``full`` to
-    rank j and receives chunk r of every other rank's, then sums the N chunks in rank order::
+    """On gloo, a third of gloo's own reduce_scatter's time (bench/RESULTS.md). Rank r sends chunk
+    j of its ``full`` to rank j, receives chunk r of every other rank's, combines them in order::
 
         rank r:  full = [c0 | c1 | ... | c(N-1)]    --c_j-->  rank j       (N-1 sends)
                  part[j] = rank j's c_r             <------   rank j       (N-1 receives)
@@ -429,9 +429,10 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
     def total() -> None:
         out = shard.view(k)
         in_place = out.data_ptr() == parts[r].data_ptr()  # shard IS full's own chunk
-        acc = torch.add(parts[0], parts[1], out=None if in_place else out)
+        combine = OPS[op][1]
+        acc = combine(parts[0], parts[1], out=None if in_place else out)
         for part in parts[2:]:
-            acc.add_(part)
+            combine(acc, part, out=acc)
         if op == "avg":
             acc.div_(n)
         if in_place:
