@@ -28,6 +28,7 @@ import ctypes.util
 import dataclasses
 import os
 import sys
+import threading
 import weakref
 
 import torch
@@ -75,6 +76,7 @@ class Allocations(TorchDispatchMode):
         self.now = self.peak = 0
         self.at_peak: list[Allocation] = []
         self._live: dict[int, tuple[weakref.ref, Allocation]] = {}  # storage key -> (ref, record)
+        self._lock = threading.RLock()  # a storage may die on gloo's thread (its last reference)
         self._resize = None
 
     # ------------------------------------------------------------------------ what it reports
@@ -90,22 +92,26 @@ class Allocations(TorchDispatchMode):
 
     # ---------------------------------------------------------------------------- counting
     def _move(self, delta: int) -> None:
-        self.now += delta
-        if self.now > self.peak:
-            self.peak = self.now
-            self.at_peak = self._snapshot()
+        with self._lock:
+            self.now += delta
+            if self.now > self.peak:
+                self.peak = self.now
+                self.at_peak = self._snapshot()
 
     def _snapshot(self) -> list[Allocation]:
-        return sorted((dataclasses.replace(a) for _, a in self._live.values()),
-                      key=lambda a: -a.nbytes)
+        with self._lock:
+            records = [dataclasses.replace(a) for _, a in list(self._live.values())]
+        return sorted(records, key=lambda a: -a.nbytes)
 
     def _track(self, storage: torch.UntypedStorage, record: Allocation) -> None:
         key = storage._cdata
-        self._live[key] = (weakref.ref(storage, lambda _, key=key: self._died(key)), record)
+        with self._lock:
+            self._live[key] = (weakref.ref(storage, lambda _, key=key: self._died(key)), record)
 
     def _died(self, key: int) -> None:
-        _, record = self._live.pop(key)
-        self._move(-record.nbytes)
+        with self._lock:
+            _, record = self._live.pop(key)
+            self._move(-record.nbytes)
 
     def _resized(self, storage: torch.UntypedStorage, before: int, op: str) -> None:
         """``storage`` changed size in place: count the difference (and follow it from now on:
@@ -113,10 +119,11 @@ class Allocations(TorchDispatchMode):
         after = storage.nbytes()
         if after == before:
             return
-        if storage._cdata not in self._live:
-            self._track(storage, Allocation(before, op, (after,), torch.uint8, _site()))
-        self._live[storage._cdata][1].nbytes = after
-        self._move(after - before)
+        with self._lock:
+            if storage._cdata not in self._live:
+                self._track(storage, Allocation(before, op, (after,), torch.uint8, _site()))
+            self._live[storage._cdata][1].nbytes = after
+            self._move(after - before)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -143,11 +143,18 @@ def _owners(places, unit_paths: dict[str, str]) -> dict[nn.Parameter, str]:
 
 def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dtype, group_of,
                deferred: DeferredInit | None, meter: WrapMeter) -> None:
-    """One flat buffer per (dtype, requires_grad, param group) of ``unit``'s parameters."""
+    """One flat buffer per (dtype, requires_grad, param group, compute dtype) of ``unit``'s
+    parameters. Mixed precision computes floating parameters in ``param_dtype``, except a
+    BatchNorm's, kept in their own dtype as FSDP keeps them: torch's batch norm takes a half
+    input with fp32 weights and fp32 running statistics, not half weights with fp32 statistics."""
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for p in params:  # deferred init puts every parameter on one device, real ones too
         device = deferred.device if deferred else p.device
-        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device), []).append(p)
+        batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
+                         for place in places[p])
+        compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
+        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute),
+                           []).append(p)
     devices = {key[3] for key in buckets}
     if len(devices) > 1:
         raise ValueError(
@@ -155,10 +162,9 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
             f"{sorted(map(str, devices))}; a unit's flat buffer lives on one device. Move the "
             "module to one device (module.to(device)) or make the submodules on other devices "
             "units of their own.")
-    for (dtype, rg, pg, _), ps in buckets.items():
+    for (dtype, rg, pg, _, compute), ps in buckets.items():
         tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
-               f"{f'/group{pg}' if pg else ''}")
-        compute = param_dtype if dtype.is_floating_point else None
+               f"{f'/group{pg}' if pg else ''}{'/batchnorm' if compute != param_dtype else ''}")
         cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
         flat = FlatBuffer(layout, groups.shard, mode=FlatMode(flat_mode).under_cast(cast),

@@ -124,6 +124,31 @@ MUTANTS = {
           "        while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:",
           "        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:")],
         ["tests/test_memory_wall.py::test_a_training_step_allocates_no_more_than_the_formula"]),
+    "param_groups_compared_as_sets": (
+        "a checkpoint's param groups compared as sets: [no_decay, decay] loads [decay, no_decay]'s"
+        " settings into the wrong groups",
+        [("minishard/state.py", "    if groups != saved_groups:",
+          "    if sorted(map(sorted, groups)) != sorted(map(sorted, saved_groups)):")],
+        ["tests/test_state.py::test_groups_in_another_order_are_refused_not_swapped"]),
+    "backward_bucket_in_forward_order": (
+        "a stage-3 backward bucket built in forward order: units gathered long before they run",
+        [("minishard/gathers.py", "else self.order[:i][::-1]", "else self.order[:i]")],
+        ["tests/test_bucket_order.py"]),
+    "fp32_statistics_only_for_batchnorm2d": (
+        "buffer_dtype keeps only BatchNorm2d's running statistics in fp32, not BatchNorm1d/3d's",
+        [("minishard/config.py", "        if isinstance(m, nn.modules.batchnorm._BatchNorm):",
+          "        if isinstance(m, nn.BatchNorm2d):")],
+        ["tests/test_mixed_batchnorm.py"]),
+    "batchnorm_weights_cast_to_param_dtype": (
+        "mixed precision casts a BatchNorm's weight and bias to param_dtype like any layer's",
+        [("minishard/build.py", "        compute = None if batch_norm or not p.dtype.is_floating_point",
+          "        compute = None if not p.dtype.is_floating_point")],
+        ["tests/test_mixed_batchnorm.py"]),
+    "unknown_op_summed": (
+        "comm.all_reduce sums for an op it does not know (a typo, \"min\")",
+        [("minishard/comm.py", "    if op not in OPS:\n        raise ValueError(",
+          "    if op not in OPS:\n        return OPS['sum']\n        raise ValueError(")],
+        ["tests/test_comm_ops.py"]),
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
         [("minishard/dcp_checkpoint.py",

@@ -525,3 +525,30 @@ def test_a_failure_building_meta_on_rank_0_raises_on_every_rank(pools, tmp_path)
     for r in (1, 2):
         assert results[r][0] == "CheckpointError" and "rank 0 could not write" in results[r][1]
     assert not os.path.exists(os.path.join(ckpt, "meta.pt"))  # incomplete, as it must read
+
+
+def load_into_swapped_groups(stage, opt_name, ckpt):
+    """Saved with [decay, no_decay]; loaded into an optimizer built as [no_decay, decay]."""
+    torch.manual_seed(5)
+    model = ZeRO(Net().double(), stage=stage, units=(Block, Gate))
+    decay = [p for p in model.module.parameters() if p.dim() >= 2]
+    rest = [p for p in model.module.parameters() if p.dim() < 2]
+    opt = OPTIMIZERS[opt_name]([{"params": rest, "weight_decay": 0.0, "lr": 0.02},
+                                {"params": decay}])
+    before = [dict(g) for g in opt.param_groups]
+    try:
+        load_checkpoint(ckpt, model, opt)
+    except CheckpointError as exc:
+        return "refused", str(exc), [dict(g) == b for g, b in zip(opt.param_groups, before)]
+    return "loaded", [(g["lr"], g["weight_decay"]) for g in opt.param_groups], []
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_groups_in_another_order_are_refused_not_swapped(pools, tmp_path, stage):
+    """Compared as sets, [no_decay, decay] would load [decay, no_decay]'s settings into the
+    wrong groups (biases with weight decay, weights with the biases' learning rate), silently."""
+    ckpt = fresh(tmp_path)
+    pools(2).run(grouped_save, stage, "sgd", ckpt)
+    for outcome, said, untouched in pools(2).run(load_into_swapped_groups, stage, "sgd", ckpt):
+        assert outcome == "refused", said
+        assert "same param groups" in said and all(untouched)
