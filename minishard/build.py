@@ -82,7 +82,6 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
         unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
         mine = [p for p in places if owner[p] == uname]
         _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, deferred, meter)
-        unit.module._minishard_unit = unit.name
         built.append(unit)
         if deferred is None:  # eager: free this unit's original tensors before the next unit
             _adopt(unit, meter)
@@ -181,7 +180,10 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
 def _adopt(unit: Unit, meter: WrapMeter) -> None:
     """The values are in the flat buffers: each original parameter now holds this rank's rows
     (its old storage is freed), and every place holds it. One that cannot be kept (a meta
-    tensor, another device) is replaced and marked, to catch an optimizer built over it."""
+    tensor, another device) is replaced and marked, to catch an optimizer built over it. The
+    module is marked wrapped here, when its parameters change: a wrap that fails before (a
+    deferred initialiser that raises) leaves the model as it was, to wrap again."""
+    unit.module._minishard_unit = unit.name
     for flat in unit.flats:
         params = list(unit.params(flat))
         originals = [p.places[0].module._parameters[p.places[0].attr] for p in params]

@@ -58,6 +58,7 @@ class Meters:
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.peak_full_grad_bytes = 0
+        self._backward_logged: set[str] = set()  # units whose backward has begun
 
     @contextlib.contextmanager
     def recording(self):
@@ -83,6 +84,14 @@ class Meters:
 
     def start_backward(self) -> None:
         self.peak_full_grad_bytes = 0
+        self._backward_logged = set()
+
+    def log_backward(self, unit) -> None:
+        """A unit's backward starts: once per backward, whichever of its outputs' gradients
+        arrives first (a unit returning several tensors hooks each)."""
+        if unit.name not in self._backward_logged:
+            self._backward_logged.add(unit.name)
+            self.log("backward", unit)
 
     def on_gather(self, unit) -> None:
         self.note_gathered()

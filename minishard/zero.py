@@ -242,7 +242,7 @@ class ZeRO(trace.Traced, nn.Module):
         self._gathers.gather(unit, Pass.BACKWARD)
         if self.policy.free_after_forward:
             unit.show_again()  # a checkpointed part of the unit recomputes from its attributes
-        self._meters.log("backward", unit)
+        self._meters.log_backward(unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
     def _post_backward(self, i: int, j: int, full: torch.Tensor) -> None:

@@ -301,3 +301,45 @@ def test_resident_memory_is_flat():
                 "meta": found["meta"] * blocks}
     assert in_units["export"] <= 3 and in_units["export_doubled"] <= 3, in_units
     assert in_units["meta"] <= blocks / ranks + 3, in_units
+
+
+# ----------------------------------------------------- reductions in flight, seen from comm
+class _InFlight:
+    """A comm observer (the hook trace.py uses): reduce-scatters issued and not yet waited."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, bool] = {}  # id(first work) of each unfinished reduce-scatter
+        self.most, self._last_op = 0, None
+
+    def issued(self, entry) -> None:
+        self._last_op = entry.op
+
+    def started(self, works) -> None:
+        if self._last_op == "reduce_scatter" and works:
+            self.open[id(works[0])] = True
+            self.most = max(self.most, len(self.open))
+
+    def waited(self, works, start, end) -> None:
+        for work in works:
+            self.open.pop(id(work), None)
+
+
+def _most_reductions_in_flight(stage):
+    model = ZeRO(nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)]), stage=stage,
+                 units={nn.Linear})
+    watch = _InFlight()
+    minishard.comm.set_observer(watch)
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    finally:
+        minishard.comm.set_observer(None)
+    return watch.most
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_at_most_two_reductions_hold_their_buffers(pools, stage):
+    """Stages 2-3 wait for the oldest reduction BEFORE launching another: never more than
+    MAX_REDUCTIONS_IN_FLIGHT send and receive buffers alive at once (six units reduce here)."""
+    from minishard.reductions import MAX_REDUCTIONS_IN_FLIGHT
+    for most in pools(2).run(_most_reductions_in_flight, stage):
+        assert most == MAX_REDUCTIONS_IN_FLIGHT, most
