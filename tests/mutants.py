@@ -70,10 +70,10 @@ MUTANTS = {
           "")],
         ["tests/test_contiguous.py"]),
     "freeze_prefix_siblings": (
-        "freezing module 'b' also freezes 'b2' (a name prefix, not a path prefix)",
+        "unit 'b' also owns module 'b2' (a name prefix, not a path prefix)",
         [("minishard/unit.py", 'name == scope or name.startswith(scope + ".")',
           "name == scope or name.startswith(scope)")],
-        ["tests/test_freeze_siblings.py"]),
+        ["tests/test_freeze_siblings.py::test_a_unit_does_not_own_its_prefix_siblings"]),
     "from_rank0_skips_buffers": (
         "load_full_state_dict(from_rank0=True) loads parameters but never broadcasts buffers",
         [("minishard/full_state.py",

@@ -46,3 +46,34 @@ def freeze_then_train(stage: int, frozen: str):
 def test_freezing_a_module_leaves_its_prefix_siblings_training(pools, stage, frozen):
     for errors in pools(2).run(freeze_then_train, stage, frozen):
         assert max(errors.values()) < 1e-6, {k: v for k, v in errors.items() if v >= 1e-6}
+
+
+def units_then_train(stage: int):
+    """``b`` and ``blocks.1`` are units, their prefix siblings ``b2`` and ``blocks.10`` are not:
+    those belong to the root unit (a path prefix decides who owns a parameter, not a name
+    prefix). Trained against the unwrapped model on the global batch."""
+    torch.manual_seed(0)
+    oracle = Siblings()
+    wrapped = copy.deepcopy(oracle)
+    mine = {id(wrapped.b), id(wrapped.blocks[1])}
+    model = minishard.ZeRO(wrapped, stage=stage, units=lambda m: id(m) in mine)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = torch.optim.SGD(oracle.parameters(), lr=0.1)
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(x[4 * r:4 * (r + 1)]).square().mean().backward()
+        opt.step(), opt.zero_grad()
+        oracle(x).square().mean().backward()
+        ref.step(), ref.zero_grad()
+    got, want = model.full_state_dict(), oracle.state_dict()
+    owners = {u.name: sorted(p.name for p in u.params()) for u in model.units}
+    return {k: (got[k] - want[k]).abs().max().item() for k in want}, owners
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_unit_does_not_own_its_prefix_siblings(pools, stage):
+    for errors, owners in pools(2).run(units_then_train, stage):
+        assert owners["b"] == ["b.bias", "b.weight"], owners
+        assert owners["blocks.1"] == ["blocks.1.bias", "blocks.1.weight"], owners
+        assert max(errors.values()) < 1e-6, {k: v for k, v in errors.items() if v >= 1e-6}

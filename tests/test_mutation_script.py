@@ -21,3 +21,24 @@ def test_mutant_still_applies_and_names_real_tests(name):
             tree = ast.parse((mutants.ROOT / path).read_text())
             assert test in {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}, \
                 selection
+
+
+def test_the_kill_check_fails_on_a_survivor_and_passes_on_a_kill(monkeypatch, capsys):
+    """``python tests/mutants.py`` exits 1 when a mutant survives its tests, 0 when each is
+    killed: here a harmless patch (a comment) survives, and a wrong ZeRO memory formula (grads
+    never sharded) is killed by the paper's Figure 1 numbers. Every mutant's kills are checked
+    by running the script; its last full run is recorded in bench/RESULTS.md."""
+    monkeypatch.setitem(mutants.MUTANTS, "harmless", (
+        "a comment changed: nothing can notice",
+        [("minishard/memory.py", "    return {term: b / ranks if shard[term] else b for term, b in "
+          "per.items()}", "    return {term: b / ranks if shard[term] else b for term, b in "
+          "per.items()}  # harmless")],
+        ["tests/test_plan.py::test_paper_figure_1_numbers"]))
+    monkeypatch.setitem(mutants.MUTANTS, "grads_never_sharded", (
+        "the ZeRO formula never shards gradients",
+        [("minishard/memory.py", '"grads": stage >= 2', '"grads": stage >= 9')],
+        ["tests/test_plan.py::test_paper_figure_1_numbers"]))
+    assert mutants.main(["harmless"]) == 1
+    assert mutants.main(["grads_never_sharded"]) == 0
+    out = capsys.readouterr().out
+    assert "survived  tests/test_plan.py" in out and "KILLED by tests/test_plan.py" in out
