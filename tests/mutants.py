@@ -160,6 +160,11 @@ MUTANTS = {
         [("minishard/meters.py", "        if unit.name not in self._backward_logged:",
           "        if True:")],
         ["tests/test_wrap_retry_and_events.py::test_a_unit_with_two_outputs_logs_one_backward"]),
+    "trace_clock_shift_in_ms": (
+        "trace.py shifts each rank's clock by wall nanoseconds / 1e6 instead of / 1000 (us)",
+        [("minishard/trace.py", "_shifted(e, (wall - origin) / 1000)",
+          "_shifted(e, (wall - origin) / 1e6)")],
+        ["tests/test_trace.py::test_one_collective_ends_at_the_same_time_on_every_rank"]),
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
         [("minishard/dcp_checkpoint.py",

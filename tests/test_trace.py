@@ -155,3 +155,32 @@ def test_draw_makes_a_png(traces, tmp_path):  # matplotlib: the 'plot' extra, al
     draw(traces[2, 3, True], str(png))
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
+
+
+def traced_late(path: str, delay: float):
+    """Rank r enters the trace r x ``delay`` seconds after rank 0: its clock starts later."""
+    import time
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(BLOCKS)]), stage=3,
+                           units={Block})
+    dist.barrier()
+    time.sleep(dist.get_rank() * delay)
+    with model.trace(path):
+        model(torch.randn(4, 16)).sum().backward()
+    if dist.get_rank() != 0:
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_collective_ends_at_the_same_time_on_every_rank(pools, tmp_path, world):
+    """Every rank's clock is placed on the wall clock: a collective that makes the early ranks
+    wait for the late one ends at the same moment on every rank (within 30 ms on a loaded
+    2-core machine), although the ranks entered the trace 150 ms apart. A wrong shift (wall
+    nanoseconds divided by 1e6 instead of 1000) misplaces the late ranks by ~150 ms each."""
+    trace = pools(world).run(traced_late, str(tmp_path / "late.json"), 0.15)[0]
+    first = {e["pid"]: end(e) for e in trace["traceEvents"]
+             if e["ph"] == "X" and e["args"].get("seq") == 0 and e["cat"] != "waits"}
+    assert set(first) == set(range(world)), first
+    assert max(first.values()) - min(first.values()) < 30_000, first  # microseconds
