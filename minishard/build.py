@@ -163,7 +163,8 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
             "units of their own.")
     for (dtype, rg, pg, _, compute), ps in buckets.items():
         tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
-               f"{f'/group{pg}' if pg else ''}{'/batchnorm' if compute != param_dtype else ''}")
+               f"{f'/group{pg}' if pg else ''}"
+               f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}")
         cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
         flat = FlatBuffer(layout, groups.shard, mode=FlatMode(flat_mode).under_cast(cast),

@@ -312,7 +312,7 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
             keys = sorted({k for s, p in zip(states, flat.params)
                            for k in split_state(s, p)[0]})
             gathered_keys = {k: gather_full(
-                flat,                 [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
+                flat, [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
                 "optimizer state", staging=staging) for k in keys}
             for param, state in zip(unit.params(flat), states):
                 if state:

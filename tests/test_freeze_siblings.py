@@ -22,14 +22,9 @@ class Siblings(nn.Module):
         return self.blocks(self.b2(self.b(x)))
 
 
-def freeze_then_train(stage: int, frozen: str):
-    torch.manual_seed(0)
-    oracle = Siblings()
-    model = minishard.ZeRO(copy.deepcopy(oracle), stage=stage, units={nn.Linear})
-    oracle.get_submodule(frozen).requires_grad_(False)
-    model.module.get_submodule(frozen).requires_grad_(False)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    ref = torch.optim.SGD([p for p in oracle.parameters() if p.requires_grad], lr=0.1)
+def train_beside(model, opt, oracle, ref) -> dict:
+    """Two SGD steps: the engine on this rank's rows, the oracle on the global batch; the
+    largest difference of each tensor after them."""
     n, r = dist.get_world_size(), dist.get_rank()
     x = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(1))
     for _ in range(2):
@@ -39,6 +34,17 @@ def freeze_then_train(stage: int, frozen: str):
         ref.step(), ref.zero_grad()
     got, want = model.full_state_dict(), oracle.state_dict()
     return {k: (got[k] - want[k]).abs().max().item() for k in want}
+
+
+def freeze_then_train(stage: int, frozen: str):
+    torch.manual_seed(0)
+    oracle = Siblings()
+    model = minishard.ZeRO(copy.deepcopy(oracle), stage=stage, units={nn.Linear})
+    oracle.get_submodule(frozen).requires_grad_(False)
+    model.module.get_submodule(frozen).requires_grad_(False)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    ref = torch.optim.SGD([p for p in oracle.parameters() if p.requires_grad], lr=0.1)
+    return train_beside(model, opt, oracle, ref)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -59,16 +65,8 @@ def units_then_train(stage: int):
     model = minishard.ZeRO(wrapped, stage=stage, units=lambda m: id(m) in mine)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref = torch.optim.SGD(oracle.parameters(), lr=0.1)
-    n, r = dist.get_world_size(), dist.get_rank()
-    x = torch.randn(4 * n, 4, generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        model(x[4 * r:4 * (r + 1)]).square().mean().backward()
-        opt.step(), opt.zero_grad()
-        oracle(x).square().mean().backward()
-        ref.step(), ref.zero_grad()
-    got, want = model.full_state_dict(), oracle.state_dict()
     owners = {u.name: sorted(p.name for p in u.params()) for u in model.units}
-    return {k: (got[k] - want[k]).abs().max().item() for k in want}, owners
+    return train_beside(model, opt, oracle, ref), owners
 
 
 @pytest.mark.parametrize("stage", [0, 3])
