@@ -31,9 +31,11 @@ from minishard.flat import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
-           "DCP_METADATA", "SafeDCPReader", "check_dcp"]
+           "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
+           "dcp_data_files", "check_dcp_digests"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
+DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; DCP ignores it
 
 # 1: slices of the flat buffers (before parameters kept their names); 2: rows of each parameter
 FORMAT_VERSION = 2
@@ -134,14 +136,15 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     :class:`CheckpointError` that names what is wrong. Complete: meta.pt exists, is readable, and
     every rank file it lists exists with the recorded size (and sha256, with ``checksums``).
     A torch.distributed.checkpoint directory (``.metadata``): complete when ``.metadata`` is
-    readable and every data file holds the bytes it records (DCP keeps no checksums); returns
-    ``{"format": "dcp"}``. Not collective: any process may call it."""
+    readable and every data file holds the bytes it records; with ``checksums``, its files
+    also match the sha256 digests minishard writes beside it (:func:`check_dcp_digests`).
+    Returns ``{"format": "dcp", "sha256": whether digests were checked}``. Not collective."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: no such directory")
     if os.path.isfile(os.path.join(path, DCP_METADATA)):  # torch.distributed.checkpoint's
-        check_dcp(path)
-        return {"format": "dcp"}
+        metadata = check_dcp(path)
+        return {"format": "dcp", "sha256": checksums and check_dcp_digests(path, metadata)}
     meta_file = os.path.join(path, META)
     if not os.path.exists(meta_file):
         raise CheckpointError(
@@ -232,6 +235,43 @@ def check_dcp(path: str):
                                   f"shorter than the {size} bytes its {DCP_METADATA} records. Load an "
                                   "earlier checkpoint (latest_checkpoint(root) skips it).")
     return metadata
+
+
+def file_sha256(file: str) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dcp_data_files(metadata) -> list[str]:
+    """The data files a DCP checkpoint's metadata names, sorted."""
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+
+
+def check_dcp_digests(path: str, metadata, share: tuple[int, int] = (0, 1)) -> bool:
+    """Check the data files of the DCP checkpoint at ``path`` against the sha256 digests
+    minishard saves beside it (DCP records none, so a byte changed in place would load
+    silently). ``share`` = (rank, ranks): this rank reads every ranks-th file from its rank on,
+    so the ranks of a load divide the reading. Returns False when there is no digest file (a
+    checkpoint written by FSDP2, torchtitan or torch itself: its sizes are checked, its bytes
+    cannot be); raises a CheckpointError naming a file that does not match."""
+    file = os.path.join(path, DCP_DIGESTS)
+    if not os.path.exists(file):
+        return False
+    digests = read_checked(file)
+    if sorted(digests) != dcp_data_files(metadata):
+        raise CheckpointError(f"DCP checkpoint at {path}: {DCP_DIGESTS} lists other files than "
+                              f"its {DCP_METADATA}: the two come from different saves. Load an "
+                              "earlier checkpoint.")
+    rank, ranks = share
+    for name in sorted(digests)[rank::ranks]:
+        if file_sha256(os.path.join(path, name)) != digests[name]:
+            raise CheckpointError(f"DCP checkpoint at {path} is damaged: {name} does not match "
+                                  f"the sha256 recorded in {DCP_DIGESTS} (corrupted or replaced "
+                                  "after saving). Load an earlier checkpoint.")
+    return True
 
 
 _ALLOWED = {

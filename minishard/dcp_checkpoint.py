@@ -31,7 +31,10 @@ group saved without a setting this optimizer has was saved by another kind of op
 **Trust.** DCP itself unpickles ``.metadata`` and the hyperparameters with plain pickle; here
 ``.metadata`` is read with an allow-list (checkpoint_files.py) and the hyperparameters
 ``weights_only`` (:class:`_SafeLoadPlanner`), so, as with minishard's own files, loading a
-checkpoint never runs code from it.
+checkpoint never runs code from it. DCP records sizes, not checksums: a save writes the sha256
+of every data file beside it (``minishard-sha256.pt``, each rank hashing a share), and a load
+checks them first, the ranks dividing the reading; a directory without it (FSDP2's,
+torchtitan's) is checked for sizes only.
 
 DTensor appears only here, at the boundary: the engine stays on raw collectives. DCP runs its
 own collectives inside ``dcp.save`` / ``dcp.load`` (it gathers and scatters its plans as
@@ -54,7 +57,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minishard import comm
 from minishard.checkpoint_files import DCP_METADATA as METADATA
-from minishard.checkpoint_files import CheckpointError, SafeDCPReader, check_dcp, saved_piece
+from minishard.checkpoint_files import (DCP_DIGESTS, CheckpointError, SafeDCPReader,
+                                        atomic_save, check_dcp, check_dcp_digests,
+                                        dcp_data_files, file_sha256, saved_piece)
 from minishard.full_state import (buffer_state, group_param_names, hyperparameters, named_params,
                                   split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
@@ -149,6 +154,25 @@ def save_dcp(path: str, model, optimizer) -> None:
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"could not save the DCP checkpoint {path}; it has no {METADATA}, "
                               f"so it stays incomplete: {exc}") from exc
+    _save_digests(path, group, world, rank)
+
+
+def _save_digests(path: str, group, world: int, rank: int) -> None:
+    """DCP records no checksums: each rank hashes its share of the data files, rank 0 writes
+    them all beside the checkpoint (DCP_DIGESTS, which torch's readers ignore); every rank
+    returns once it is written, or raises with rank 0."""
+    files = dcp_data_files(check_dcp(path))
+    mine = {name: file_sha256(os.path.join(path, name)) for name in files[rank::world]}
+    digests = {k: v for part in comm.all_gather_object(mine, group, tag="dcp: sha256")
+               for k, v in part.items()}
+    error = None
+    if rank == 0:
+        try:
+            atomic_save(digests, os.path.join(path, DCP_DIGESTS))
+        except Exception as exc:  # still join the verdict, or the other ranks would hang
+            error = exc
+    raise_together(error, [group], "dcp checkpoint: sha256 written", CheckpointError(
+        f"rank 0 could not write {DCP_DIGESTS} beside {path}"))
 
 
 # ------------------------------------------------------------------------------------- load
@@ -167,7 +191,9 @@ def read_dcp(path: str, model, optimizer):
     groups = [group] if replicas is None else [group, replicas]
     error, targets, keys = None, {}, None
     try:
-        saved = check_dcp(path).state_dict_metadata
+        metadata = check_dcp(path)
+        check_dcp_digests(path, metadata, (comm.group_rank(group), comm.group_size(group)))
+        saved = metadata.state_dict_metadata
         keys = _Keys(saved, model)
         targets = _model_targets(path, saved, keys, model, mesh)
         if optimizer is not None:

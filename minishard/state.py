@@ -49,10 +49,10 @@ import struct
 import torch
 
 from minishard import checkpoint_files, comm
-from minishard.checkpoint_files import (DCP_METADATA, FORMAT_VERSION, META, CheckpointError,
-                                        atomic_save, check_checkpoint, checkpoint_path,
-                                        latest_checkpoint, saved_piece, saved_rows,
-                                        shard_file_name)
+from minishard.checkpoint_files import (DCP_DIGESTS, DCP_METADATA, FORMAT_VERSION, META,
+                                        CheckpointError, atomic_save, check_checkpoint,
+                                        checkpoint_path, latest_checkpoint, saved_piece,
+                                        saved_rows, shard_file_name)
 from minishard.dcp_checkpoint import (init_optimizer_state, is_dcp_checkpoint, read_dcp,
                                       save_dcp)
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
@@ -122,8 +122,8 @@ def _make_room(path: str, group, overwrite: bool) -> None:
             "(checkpoint_path(root, step)), or pass overwrite=True")
     os.makedirs(path, exist_ok=True)
     if overwrite:
-        if comm.group_rank(group) == 0:
-            for marker in markers:
+        if comm.group_rank(group) == 0:  # the old DCP digests go with them: they match nothing
+            for marker in markers + [os.path.join(path, DCP_DIGESTS)]:
                 if os.path.exists(marker):
                     os.remove(marker)  # from here on the directory reads as incomplete
         comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: old marker removed")

@@ -165,6 +165,12 @@ MUTANTS = {
         [("minishard/trace.py", "_shifted(e, (wall - origin) / 1000)",
           "_shifted(e, (wall - origin) / 1e6)")],
         ["tests/test_trace.py::test_one_collective_ends_at_the_same_time_on_every_rank"]),
+    "dcp_digests_not_checked": (
+        "a DCP load skips the sha256 digests minishard saved beside it: corrupted bytes load",
+        [("minishard/dcp_checkpoint.py",
+          "        check_dcp_digests(path, metadata, (comm.group_rank(group), comm.group_size(group)))",
+          "        pass")],
+        ["tests/test_dcp.py::test_a_byte_changed_in_a_dcp_data_file_is_caught"]),
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
         [("minishard/dcp_checkpoint.py",

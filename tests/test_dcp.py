@@ -452,3 +452,42 @@ def test_loading_a_dcp_checkpoint_never_runs_code_from_it(pools, tmp_path):
 def test_unknown_format_is_refused_before_any_collective():
     with pytest.raises(ValueError, match="format must be 'minishard' or 'dcp'"):
         save_checkpoint("/nonexistent", object(), format="pt")
+
+
+def test_a_byte_changed_in_a_dcp_data_file_is_caught(pools, tmp_path):
+    """DCP records no checksums: a data file corrupted in place (same size) loaded silently.
+    minishard writes the sha256 of every data file beside its DCP saves (a file torch's readers
+    ignore) and checks them before loading: every rank raises, one names the file."""
+    ckpt = fresh(tmp_path)
+    assert pools(2).run(save_minishard_then, ckpt, 1, "dcp") == [None, None]
+    assert check_checkpoint(ckpt) == {"format": "dcp", "sha256": True}
+    assert all(e is None for e in pools(3).run(try_load, ckpt))  # intact: loads
+    data = os.path.join(ckpt, "__1_0.distcp")
+    with open(data, "r+b") as fh:
+        fh.seek(os.path.getsize(data) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0x40]))
+    with pytest.raises(CheckpointError, match="__1_0.distcp does not match the sha256"):
+        check_checkpoint(ckpt)
+    assert check_checkpoint(ckpt, checksums=False) == {"format": "dcp", "sha256": False}
+    errors = pools(3).run(try_load, ckpt)
+    assert all(errors), errors
+    assert any("__1_0.distcp does not match the sha256" in e for e in errors), errors
+
+
+def test_a_foreign_dcp_checkpoint_has_no_digests_and_loads(pools, tmp_path):
+    """FSDP2 (torch's dcp.save) writes no digests: its checkpoint is checked for sizes only,
+    says so, and loads."""
+    ckpt = fresh(tmp_path)
+    pools(2).run(fsdp2_train_and_save, ckpt)
+    assert check_checkpoint(ckpt) == {"format": "dcp", "sha256": False}
+    assert all(e is None for e in pools(3).run(try_load, ckpt))
+
+
+def test_overwriting_a_dcp_checkpoint_writes_fresh_digests(pools, tmp_path):
+    ckpt = fresh(tmp_path)
+    assert pools(2).run(save_minishard_then, ckpt, 1, "dcp") == [None, None]
+    assert pools(2).run(save_minishard_then, ckpt, 2, "dcp", True) == [None, None]
+    assert check_checkpoint(ckpt) == {"format": "dcp", "sha256": True}
+    assert all(e is None for e in pools(2).run(try_load, ckpt))
