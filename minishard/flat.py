@@ -27,9 +27,11 @@ gradients into ``full.grad`` in that layout; before the reduce-scatter it is cop
 rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
 parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
 unit, as before; the price is one copy of the unit's bytes per gather and per reduction (none
-when a unit has one parameter, or N = 1: then both layouts are the same). FSDP1 and DeepSpeed cut
-the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copies, but the pieces are 1-D
-slices across parameter boundaries, so names, shapes and per-parameter freezing are lost.
+when a unit has one parameter, or N = 1: then both layouts are the same). FSDP1 and DeepSpeed's
+stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copies, but the
+pieces are 1-D slices across parameter boundaries, so names, shapes and per-parameter freezing
+are lost. (DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to 1-D: elements, not
+rows.)
 
 Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
 collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.

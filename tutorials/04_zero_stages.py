@@ -19,7 +19,8 @@ that both equal the formulas. Stage 3 pays for its memory with one extra all-gat
 First, though: WHICH 1/N does a rank hold? Two layouts are in use. Take a unit with parameters
 a (3x2), b (3) and c (5) on N = 2 ranks (one label per element: a1 is an element of a's row 1):
 
-    FSDP1 / DeepSpeed: concatenate, pad the END to a multiple of N, cut in N equal 1-D pieces
+    FSDP1 / DeepSpeed stages 1-2: concatenate, pad the END to a multiple of N, cut in N 1-D pieces
+    (DeepSpeed's ZeRO-3 cuts each parameter alone, flattened: N equal 1-D pieces of it)
         rank 0: [a0 a0 a1 a1 a2 a2 b0]      rank 1: [b1 b2 c0 c1 c2 c3 c4]
     FSDP2 / minishard: cut EACH parameter along dim 0 into N chunks of ceil(R/N) rows
         rank 0: [a0 a0 a1 a1 | b0 b1 | c0 c1 c2]      rank 1: [a2 a2 _ _ | b2 _ | c3 c4 _]
@@ -110,7 +111,7 @@ def show_layouts(rank: int, world: int, say) -> None:
     old = concatenation_pieces(world)
     say(f"Part 0: where a rank's 1/{world} lives. a (3x2), b (3), c (5): {numel} elements; "
         "a label per element.")
-    say("  FSDP1 / DeepSpeed, the concatenation cut in N:")
+    say("  FSDP1 / DeepSpeed stages 1-2, the concatenation cut in N:")
     for r, piece in enumerate(old):
         say(f"    rank {r}: [{' '.join(piece)}]")
     say("  FSDP2 / minishard, each parameter cut along dim 0 (asserted on every rank):")

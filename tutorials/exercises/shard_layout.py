@@ -20,8 +20,8 @@ For a (3, 2), b (3,), c (5,) on 2 ranks (minishard/flat.py draws it):
     rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        _: padding
     rank 1 -> ([(2, 3), (2, 3), (3, 5)], [4, 2, 3], 9)
 
-Not the concatenation cut in N (FSDP1's and DeepSpeed's layout): that one crosses parameter
-boundaries, and the pieces are no longer rows of a parameter.
+Not the concatenation cut in N (FSDP1's, and DeepSpeed's at stages 1-2): that one crosses
+parameter boundaries, and the pieces are no longer rows of a parameter.
 """
 
 
