@@ -18,8 +18,9 @@ count by the difference. So ``now`` is the bytes allocated since entry and still
 when something older was freed), and ``peak`` its maximum.
 
 What it cannot see: memory a backend allocates inside a collective (gloo works in place on the
-tensors comm.py hands it), and storages built outside torch's operators (``torch.load``'s
-unpickler). The outside check is the process's resident set (bench/rss.py).
+tensors comm.py hands it), other threads' allocations, and storages built outside torch's
+operators that no operator hands on (``torch.frombuffer``; ``torch.load``'s and ``torch.tensor``'s
+are seen). The outside check is the process's resident set (bench/rss.py).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class Allocations(TorchDispatchMode):
         self.at_peak: list[Allocation] = []
         self._live: dict[int, tuple[weakref.ref, Allocation]] = {}  # storage key -> (ref, record)
         self._lock = threading.RLock()  # a storage may die on gloo's thread (its last reference)
-        self._resize = None
+        self._thread = None             # the thread it watches (set on entry)
 
     # ------------------------------------------------------------------------ what it reports
     def reset_peak(self) -> None:
@@ -131,6 +132,8 @@ class Allocations(TorchDispatchMode):
         for t in tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 inputs[t.untyped_storage()._cdata] = (t.untyped_storage(), t.untyped_storage().nbytes())
+        if func.overloadpacket in _LIFTS:  # torch.tensor(data): its storage was made just now,
+            inputs = {}                    # outside any operator, and is handed over as is
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.is_meta:
@@ -148,19 +151,39 @@ class Allocations(TorchDispatchMode):
         return out
 
     def __enter__(self):
-        original = torch.UntypedStorage.resize_
-
-        def resize_(storage, size):  # not a torch operator: the mode would not see it
-            before = storage.nbytes()
-            result = original(storage, size)
-            self._resized(storage, before, "untyped_storage().resize_")
-            return result
-        self._resize, torch.UntypedStorage.resize_ = original, resize_
+        self._thread = threading.get_ident()
+        with _OPEN_LOCK:
+            if not _OPEN:
+                torch.UntypedStorage.resize_ = _counted_resize
+            _OPEN.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        with _OPEN_LOCK:
+            _OPEN.remove(self)
+            if not _OPEN:
+                torch.UntypedStorage.resize_ = _RESIZE
         return super().__exit__(*exc)
+
+
+_LIFTS = {torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy}
+
+# ``untyped_storage().resize_`` is not a torch operator, so no mode sees it: while any tracker is
+# open it is replaced, process-wide, by one that tells the open trackers OF THE CALLING THREAD
+# (a mode sees only its own thread's operators too), and put back when the last one closes.
+_RESIZE = torch.UntypedStorage.resize_
+_OPEN: list[Allocations] = []
+_OPEN_LOCK = threading.Lock()
+
+
+def _counted_resize(storage, size):
+    before = storage.nbytes()
+    result = _RESIZE(storage, size)
+    me = threading.get_ident()
+    for tracker in list(_OPEN):
+        if tracker._thread == me:
+            tracker._resized(storage, before, "untyped_storage().resize_")
+    return result
 
 
 def _libc_malloc_trim():

@@ -127,11 +127,9 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
             algorithm: str = "ring") -> None:
     """Every collective passes here first: the ledger, and the debug consistency check.
-
-    ``tensor`` must be contiguous: a backend moves a tensor's memory in STORAGE order, so a
-    transposed tensor on one rank would reach the others scrambled, with no error. Every
-    collective below hands the backend a contiguous copy of a strided argument (:func:`_dense`)
-    and copies a result back into the caller's tensor."""
+    ``tensor`` must be contiguous: a backend moves memory in STORAGE order, so a transposed
+    tensor would reach the others scrambled, silently. Every collective below hands the backend
+    a contiguous copy of a strided argument (:func:`_dense`) and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
     _record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
@@ -225,8 +223,7 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_back(then, tensor: torch.Tensor, dense: torch.Tensor):
-    """``then``, followed, when the result landed in a contiguous copy, by copying it into the
-    caller's ``tensor``."""
+    """``then``, and copying the result into ``tensor`` when it landed in a contiguous copy."""
     if dense is tensor:
         return then
 
@@ -251,7 +248,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm not in ("ring", "direct", "doubling", "auto"):
         raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct', 'doubling' or 'auto', "
                          f"got {algorithm!r}")
-    n, (red, _) = group_size(group), _op(op, "all_reduce")
+    n, (red, _) = group_size(group), _op(op, "all_reduce", tensor)
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
@@ -278,9 +275,12 @@ OPS = {"sum": (dist.ReduceOp.SUM, torch.add), "avg": (dist.ReduceOp.SUM, torch.a
        "product": (dist.ReduceOp.PRODUCT, torch.mul)}
 
 
-def _op(op: str, who: str):
-    if op not in OPS:
-        raise ValueError(f"comm.{who}: op must be one of {sorted(OPS)}, got {op!r}")
+def _op(op: str, who: str, tensor: torch.Tensor):
+    """The op's pair from OPS; refused (before anything is sent) if unknown, or "avg" of an
+    integer tensor (a mean that cannot be stored in its dtype)."""
+    if op not in OPS or (op == "avg" and not (tensor.is_floating_point() or tensor.is_complex())):
+        raise ValueError(f"comm.{who}: op must be one of {sorted(OPS)} (avg of a floating "
+                         f"tensor), got {op!r} for a {tensor.dtype} tensor")
     return OPS[op]
 
 
@@ -390,7 +390,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
                    async_op: bool = False, tag: str = ""):
     """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the ``op`` (:data:`OPS`) of
     every rank's ``full``."""
-    n, (red, _) = group_size(group), _op(op, "reduce_scatter")
+    n, (red, _) = group_size(group), _op(op, "reduce_scatter", full)
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")

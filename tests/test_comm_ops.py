@@ -74,3 +74,25 @@ def test_an_unknown_op_is_refused_on_every_rank_before_anything_is_sent(pools, w
     for said in pools(ws).run(_refusals):
         assert all("op must be one of ['avg', 'max', 'min', 'product', 'sum']" in s
                    for s in said), said
+
+
+def _integer_avg() -> list[str]:
+    said = []
+    for call in (lambda t: comm.all_reduce(t, "avg"),
+                 lambda t: comm.all_reduce(t, "avg", algorithm="direct"),
+                 lambda t: comm.reduce_scatter(torch.zeros(1, dtype=torch.int64), t, "avg")):
+        t = torch.ones(dist.get_world_size(), dtype=torch.int64)
+        try:
+            call(t)
+            said.append("accepted")
+        except ValueError as exc:
+            said.append(str(exc) if t.eq(1).all() else "refused after sending")
+    comm.all_reduce(torch.ones(1))
+    return said
+
+
+def test_the_mean_of_an_integer_tensor_is_refused_before_anything_is_sent(pools):
+    """(Found by review.) "avg" of int64 failed inside the division, after the sum had been
+    sent and written into the caller's tensor; now refused first, the tensor untouched."""
+    for said in pools(3).run(_integer_avg):
+        assert all("avg of a floating tensor" in s for s in said), said

@@ -343,3 +343,40 @@ def test_at_most_two_reductions_hold_their_buffers(pools, stage):
     from minishard.reductions import MAX_REDUCTIONS_IN_FLIGHT
     for most in pools(2).run(_most_reductions_in_flight, stage):
         assert most == MAX_REDUCTIONS_IN_FLIGHT, most
+
+
+def test_the_tracker_watches_its_own_thread_and_restores_resize_in_any_order():
+    """(Found by review.) Two threads' trackers that close out of order: each counts only its
+    own thread's resizes, and ``untyped_storage().resize_`` is torch's own again afterwards."""
+    import threading
+    original = torch.UntypedStorage.resize_
+    a_in, b_in, a_out, got = threading.Event(), threading.Event(), threading.Event(), {}
+
+    def a():
+        with Allocations() as alloc:
+            got["a"] = alloc
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def b():
+        a_in.wait()
+        with Allocations() as alloc:
+            s = torch.empty(1000).untyped_storage()
+            s.resize_(2000)
+            del s
+            got["b"] = alloc
+            b_in.set()
+            a_out.wait()
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert got["a"].now == 0 and got["a"].peak == 0
+    assert got["b"].peak == 4000  # 1000 float32, then resized to 2000 bytes
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_the_tracker_sees_tensors_made_from_python_data():
+    with Allocations() as alloc:
+        t = torch.tensor([1.0] * 1024)
+    assert alloc.peak == 4096 and t.numel() == 1024

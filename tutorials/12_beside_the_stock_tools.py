@@ -89,14 +89,15 @@ mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.fl
 prefetch=True
     FSDP1      forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE
     FSDP2      on by default (one unit ahead); set_modules_to_forward_prefetch([...]) for more
-    DeepSpeed  "overlap_comm": true, "stage3_prefetch_bucket_size": bytes
+    DeepSpeed  "overlap_comm": true, "stage3_prefetch_bucket_size": elements (not bytes)
 bucket_bytes=4 * 2**20  (stages 2-3: several units per collective)
     FSDP1      (none: one all-gather per FSDP unit; wrap coarser units)
     FSDP2      fully_shard([block_a, block_b]): a list of modules is one communication group
-    DeepSpeed  "stage3_prefetch_bucket_size": bytes, "reduce_bucket_size": bytes
+    DeepSpeed  "stage3_prefetch_bucket_size", "reduce_bucket_size": elements (not bytes)
 with m.no_sync():
     FSDP1      with m.no_sync():  (SHARD_GRAD_OP then keeps the parameters gathered, as stage 2)
-    FSDP2      m.set_requires_gradient_sync(False) ... (True)  (still reshards: 3 passes, above)
+    FSDP2      m.set_requires_gradient_sync(False) ... (True)  (still reshards, 3 passes above,
+               unless also m.set_reshard_after_backward(False))
     DeepSpeed  engine.no_sync() at stages 0-1 only; "gradient_accumulation_steps": k at any
 m.clip_grad_norm_(max_norm)
     FSDP1      m.clip_grad_norm_(max_norm)
@@ -131,7 +132,8 @@ minishard.ShardedOptimizer(params, torch.optim.AdamW, lr=...)  (ZeRO-1 over para
     FSDP2      (none: fully_shard's DTensor parameters shard the optimizer state already)
     DeepSpeed  "zero_optimization": {"stage": 1}  (over the engine's model, not parameters)
 m.module.block.linear.weight.requires_grad_(False)  (any parameter, also after wrapping)
-    FSDP1      use_orig_params=True, then p.requires_grad_(False) (uniform per FSDP unit)
+    FSDP1      use_orig_params=True, then p.requires_grad_(False) (uniform per FSDP unit only
+               with use_orig_params=False)
     FSDP2      p.requires_grad_(False) on the DTensor parameters
     DeepSpeed  p.requires_grad_(False) before deepspeed.initialize
 --- end ---
@@ -257,13 +259,14 @@ def sgd(params):
 def tensor_bytes_alive() -> int:
     """Bytes of every distinct tensor storage alive in this process that Python can see (the
     garbage collector's tensors; a storage shared by views counted once). The barrier first:
-    gloo's threads let go of a finished collective's tensors a moment after its wait returns."""
+    each gloo worker thread keeps the last collective's tensors until it runs another."""
     dist.barrier()
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, nn.Parameter) or \
-                type(obj).__name__ == "FlatParameter":
+        # type(), not isinstance(): isinstance reads obj.__class__, and the deprecated
+        # torch.distributed.reduce_op object warns on every attribute read
+        if type(obj) in (torch.Tensor, nn.Parameter) or type(obj).__name__ == "FlatParameter":
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
@@ -454,8 +457,11 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
         "(the full parameters); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
         "micro-batch, 1 reduce-scatter), and stage 3 sends exactly what FSDP2 sends (the same "
         "layout: every parameter's dim 0 padded to a multiple of N). Where the passes agree, "
-        f"FSDP1 sends less when N does not divide the rows: {sizes['flat']:,} elements a pass "
-        f"against {sizes['dim0']:,} (it pads the end of each flat buffer).", 100) + "\n")
+        + (f"FSDP1 sends less when N does not divide the rows: {sizes['flat']:,} elements a pass "
+           f"against {sizes['dim0']:,} (it pads the end of each flat buffer)."
+           if sizes["flat"] < sizes["dim0"] else
+           f"FSDP1 sends as many here: {sizes['flat']:,} elements a pass."),
+        100) + "\n")
 
 
 def fmt_calls(calls: dict[str, int]) -> str:
