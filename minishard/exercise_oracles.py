@@ -30,11 +30,12 @@ class Exercise:
 
 
 def show(t) -> str:
-    """A tensor as its shape and first values, for a failure report."""
+    """A tensor as its shape, its dtype unless float64 (the exercises'), and first values."""
     if isinstance(t, torch.Tensor):
         flat = t.detach().reshape(-1).tolist()
         body = ", ".join(f"{v:.6g}" for v in flat[:8]) + (", ..." if len(flat) > 8 else "")
-        return f"tensor{tuple(t.shape)} [{body}]"
+        dtype = "" if t.dtype == torch.float64 else f" {str(t.dtype).replace('torch.', '')}"
+        return f"tensor{tuple(t.shape)}{dtype} [{body}]"
     return repr(t)
 
 
@@ -323,10 +324,14 @@ def _reduce_run(fn, case, rank, world):
     with comm.ledger() as led:
         got = fn(_full_grad(case, world, rank), numel, world, rank, reduce_scatter)
     hint = "reduce_scatter SUMS: divide by N for the average the optimizer needs"
-    if isinstance(got, torch.Tensor) and got.shape == want.shape and real and \
-            torch.allclose(got, want * world):
+    if not isinstance(got, torch.Tensor):
+        hint = f"return a tensor (this rank's piece), not a {type(got).__name__}"
+    elif got.dtype != want.dtype:
+        hint = (f"you returned {got.dtype}; the gradient is {want.dtype}: keep its dtype (a "
+                "cast rounds every element, and the optimizer's shard is in that dtype)")
+    elif got.shape == want.shape and real and torch.allclose(got, want * world):
         hint = "this is the SUM over ranks (N x the average): divide by N"
-    elif isinstance(got, torch.Tensor) and got.shape != want.shape:
+    elif got.shape != want.shape:
         hint = (f"this rank's piece has {real} REAL elements here, you returned "
                 f"{got.numel()}",
                 f"return only this rank's REAL elements ({real} here): the shard of k = "

@@ -238,6 +238,12 @@ def reduce_sum_not_avg(full_grad, numel, world, rank, reduce_scatter):
     return out[:max(0, min(k, numel - rank * k))]
 
 
+def reduce_in_float32(full_grad, numel, world, rank, reduce_scatter):
+    """Right values, returned in float32: the checker crashed on it ("Float did not match
+    Double") instead of naming the dtype."""
+    return (reduce_sum_not_avg(full_grad, numel, world, rank, reduce_scatter) / world).float()
+
+
 def reduce_keeps_padding(full_grad, numel, world, rank, reduce_scatter):
     out = torch.empty(full_grad.numel() // world, dtype=full_grad.dtype)
     reduce_scatter(out, full_grad)
@@ -294,6 +300,7 @@ def test_checker_passes_a_plain_written_out_answer(pools):
     ("shard_layout", layout_start_not_clamped, "(rows, widths, k)", "NO rows"),
     ("reduce_gradient", reduce_sum_not_avg, "averaged gradient", "SUM over ranks"),
     ("reduce_gradient", reduce_keeps_padding, "averaged gradient", "REAL elements"),
+    ("reduce_gradient", reduce_in_float32, "averaged gradient", "keep its dtype"),
     ("clip_grad_norm", clip_without_min, "after clipping", "never scales UP"),
     ("clip_grad_norm", clip_local_norm, "total norm", "all_reduce that sum"),
     ("shard_layout", layout_remainder_on_partial_chunk, "(rows, widths, k)", "NO rows"),
