@@ -264,7 +264,19 @@ def _layout_hint(shapes, world, got, want) -> tuple[str, str]:
     how = ("With R rows (a 0-dim parameter: one) and c = ceil(R/N), rank r holds rows "
            "[min(r·c, R), min((r+1)·c, R)); its width is c x (elements per row) whatever it "
            "holds; k = the sum of the widths")
-    if k != want_k and k == -(-sum(numels) // world):
+    held = [(hi - lo) * m for (lo, hi), m in zip(want_rows, row_numels)]
+    plus_one = [(r // world + 1) * m for r, m in zip(n_rows, row_numels)]
+    if any(len(s) == 0 and w != want_w for s, w, want_w in zip(shapes, widths, want_widths)):
+        what = ("a 0-dim parameter is ONE row of one element (R = 1), not empty: c = ceil(1/N) "
+                "= 1, so its width is 1 on every rank, and only rank 0 holds its row")
+    elif widths != want_widths and widths == held:
+        what = ("a width counts only the rows this rank HOLDS; it must be padded: every rank's "
+                "chunk of a parameter is c = ceil(R/N) rows wide, real rows or not, so that "
+                "every rank sends the same k")
+    elif widths != want_widths and widths == plus_one:
+        what = ("c = R//N + 1 is one row too many when N divides R (R = 4, N = 2: 3 rows, not "
+                "2): use ceil(R/N) = (R + N - 1) // N")
+    elif k != want_k and k == -(-sum(numels) // world):
         what = ("k = ceil(total / N) cuts the CONCATENATION of the parameters into N pieces "
                 "(FSDP1's layout); here EACH parameter is cut along dim 0 on its own, and each "
                 "is padded to N equal chunks of rows")

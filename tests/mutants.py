@@ -146,9 +146,9 @@ MUTANTS = {
           "        compute = None if not p.dtype.is_floating_point")],
         ["tests/test_mixed_batchnorm.py"]),
     "unknown_op_summed": (
-        "comm.all_reduce sums for an op it does not know (a typo, \"min\")",
-        [("minishard/comm.py", "    if op not in OPS:\n        raise ValueError(",
-          "    if op not in OPS:\n        return OPS['sum']\n        raise ValueError(")],
+        "comm.all_reduce sums for an op it does not know (a typo, \"mean\")",
+        [("minishard/comm.py", "    if op not in OPS or (op == \"avg\"", "    if (op == \"avg\""),
+         ("minishard/comm.py", "    return OPS[op]\n", "    return OPS.get(op, OPS[\"sum\"])\n")],
         ["tests/test_comm_ops.py"]),
     "marked_wrapped_before_materialising": (
         "modules marked wrapped before their deferred init ran: a failed init cannot be retried",

@@ -205,6 +205,27 @@ def layout_cuts_concatenation(shapes, world, rank):
     return rows, widths, k
 
 
+def layout_unpadded_widths(shapes, world, rank):
+    """Widths of the rows a rank holds, not padded to c rows (its k then differs by rank)."""
+    rows, _, _ = layout_written_out(shapes, world, rank)
+    widths = [(hi - lo) * m for (lo, hi), m in zip(rows, _rows_and_row_numels(shapes)[1])]
+    return rows, widths, sum(widths)
+
+
+def layout_zero_dim_as_empty(shapes, world, rank):
+    """A 0-dim parameter taken as holding nothing: no rows, width 0."""
+    rows, widths, _ = layout_written_out(shapes, world, rank)
+    for j, s in enumerate(shapes):
+        if len(s) == 0:
+            rows[j], widths[j] = (0, 0), 0
+    return rows, widths, sum(widths)
+
+
+def layout_plus_one_rows(shapes, world, rank):
+    """c = R // N + 1: right unless N divides R."""
+    return layout_written_out(shapes, world, rank, c_of=lambda r, n: r // n + 1)
+
+
 def layout_start_not_clamped(shapes, world, rank):
     """Clamps the end of a rank's rows but not the start: (r·c, R) past the last row."""
     return layout_written_out(shapes, world, rank,
@@ -298,6 +319,9 @@ def test_checker_passes_a_plain_written_out_answer(pools):
     ("shard_layout", layout_floor_division, "(rows, widths, k)", "floor(R/N)"),
     ("shard_layout", layout_cuts_concatenation, "(rows, widths, k)", "CONCATENATION"),
     ("shard_layout", layout_start_not_clamped, "(rows, widths, k)", "NO rows"),
+    ("shard_layout", layout_unpadded_widths, "(rows, widths, k)", "rows this rank HOLDS"),
+    ("shard_layout", layout_zero_dim_as_empty, "(rows, widths, k)", "0-dim parameter"),
+    ("shard_layout", layout_plus_one_rows, "(rows, widths, k)", "N divides R"),
     ("reduce_gradient", reduce_sum_not_avg, "averaged gradient", "SUM over ranks"),
     ("reduce_gradient", reduce_keeps_padding, "averaged gradient", "REAL elements"),
     ("reduce_gradient", reduce_in_float32, "averaged gradient", "keep its dtype"),

@@ -331,7 +331,8 @@ def test_dcp_checkpoint_saved_on_2x2_resumes_on_4x1_and_2_ranks(pools, tmp_path,
     ckpt = str(tmp_path / f"ckpt-{uuid.uuid4().hex[:8]}")
     files = pools(4).run(save_on, (2, 2), CKPT_SPEC, stage, "blocks", "adam", ckpt, "dcp")[0]
     n_files = 4 if stage == 0 else 2
-    assert files == sorted([".metadata"] + [f"__{r}_0.distcp" for r in range(n_files)])
+    assert files == sorted([".metadata", "minishard-sha256.pt"]
+                           + [f"__{r}_0.distcp" for r in range(n_files)])
     results = pools(4).run(load_on, (4, 1), CKPT_SPEC, stage_b, "blocks", "adam", ckpt)
     assert results == [[]] * 4, results
     results = pools(2).run(load_on, None, CKPT_SPEC, stage_b, "blocks", "adam", ckpt)

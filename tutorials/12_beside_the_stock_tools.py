@@ -96,8 +96,7 @@ bucket_bytes=4 * 2**20  (stages 2-3: several units per collective)
     DeepSpeed  "stage3_prefetch_bucket_size", "reduce_bucket_size": elements (not bytes)
 with m.no_sync():
     FSDP1      with m.no_sync():  (SHARD_GRAD_OP then keeps the parameters gathered, as stage 2)
-    FSDP2      m.set_requires_gradient_sync(False) ... (True)  (still reshards, 3 passes above,
-               unless also m.set_reshard_after_backward(False))
+    FSDP2      m.set_requires_gradient_sync(False) ... (True)  (reshards: 3 passes, above; not with set_reshard_after_backward(False))
     DeepSpeed  engine.no_sync() at stages 0-1 only; "gradient_accumulation_steps": k at any
 m.clip_grad_norm_(max_norm)
     FSDP1      m.clip_grad_norm_(max_norm)
@@ -132,8 +131,7 @@ minishard.ShardedOptimizer(params, torch.optim.AdamW, lr=...)  (ZeRO-1 over para
     FSDP2      (none: fully_shard's DTensor parameters shard the optimizer state already)
     DeepSpeed  "zero_optimization": {"stage": 1}  (over the engine's model, not parameters)
 m.module.block.linear.weight.requires_grad_(False)  (any parameter, also after wrapping)
-    FSDP1      use_orig_params=True, then p.requires_grad_(False) (uniform per FSDP unit only
-               with use_orig_params=False)
+    FSDP1      use_orig_params=True, then p.requires_grad_(False) (False: uniform per FSDP unit)
     FSDP2      p.requires_grad_(False) on the DTensor parameters
     DeepSpeed  p.requires_grad_(False) before deepspeed.initialize
 --- end ---
