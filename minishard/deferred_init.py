@@ -18,8 +18,8 @@ which every rank keeps): at stage 3, the shards + at most the largest unit's ful
 when each module's tensors belong to its unit. (Laying out a stage-3 buffer allocates its
 full tensor and frees it at once, untouched: also within that bound.) ``WrapMeter`` counts
 it all; tests/test_deferred_init.py checks the count exactly. What is really ALLOCATED adds
-the module before, whose broadcast gloo's worker thread still holds (comm.
-FINISHED_KEPT_BY_BACKEND): the shards + 2 units, tests/test_memory_wall.py; and each module's
+up to two modules before, whose broadcasts gloo's worker threads may still hold (comm.
+FINISHED_KEPT_BY_BACKEND): the shards + 3 units, tests/test_memory_wall.py; and each module's
 freed pages go back to the operating system at once (allocations.release_free_pages).
 
 **Why module by module, in modules() order.** Building under ``torch.device("meta")``

@@ -117,7 +117,7 @@ MUTANTS = {
         [("minishard/full_state.py", "        return self._bytes[:nbytes].view(dtype).view(shape)",
           "        return self._bytes.new_empty(nbytes).view(dtype).view(shape)")],
         ["tests/test_memory_wall.py::test_rank0_only_export_holds_two_units_on_the_other_ranks",
-         "tests/test_memory_wall.py::test_load_from_rank0_holds_two_units"]),
+         "tests/test_memory_wall.py::test_load_from_rank0_holds_one_staging_buffer_and_the_regathers"]),
     "reduction_launched_before_the_oldest_is_waited": (
         "stages 2-3 launch a reduction before waiting for the oldest: three in flight, not two",
         [("minishard/reductions.py",
