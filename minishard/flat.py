@@ -157,10 +157,12 @@ class FlatBuffer:
         start = self.ranks * self.offsets[j]
         return flat[start:start + self.ranks * self.widths[j]]
 
-    def _rows_of_rank(self, flat: torch.Tensor, r: int) -> torch.Tensor:
-        """Rank r's shard (k elements, padded) cut out of a full-layout tensor (a copy)."""
+    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
+        ``out`` when given."""
         return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
-                          for j in range(len(self.widths))])
+                          for j in range(len(self.widths))], out=out)
 
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, shaped like its shard, as views of the storage
@@ -317,8 +319,7 @@ class FlatBuffer:
         if self._master is not None:
             out.copy_(self._master)
         else:
-            torch.cat([self._region(self.full.data, j).view(self.ranks, -1)[self.rank]
-                       for j in range(len(self.widths))], out=out)
+            self._rows_of_rank(self.full.data, self.rank, out)
 
     def wait(self) -> None:
         """Finish an async :meth:`gather`."""
