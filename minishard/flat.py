@@ -64,6 +64,7 @@ import torch
 from torch import nn
 
 from minishard import comm
+from minishard.dtensors import Spec, local
 
 __all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "rows_of"]
 
@@ -94,11 +95,13 @@ class FlatBuffer:
 
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode | str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "",
-                 replicate_group=None, device: torch.device | None = None) -> None:
+                 replicate_group=None, device: torch.device | None = None,
+                 spec: Spec | None = None) -> None:
         mode = FlatMode(mode)
         assert mode is not FlatMode.NONE or replicate_group is None, \
             "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
+        self.spec = spec  # stages 1-3: the user parameters are DTensors (dtensors.py)
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
         first = params[0]
@@ -116,12 +119,16 @@ class FlatBuffer:
         self.offsets = [sum(self.widths[:j]) for j in range(len(params))]  # in the shard
         self.shard_numel = sum(self.widths)                  # k: what each rank sends
         self.padded_numel = n * self.shard_numel
-        self.row_ranges = [rows_of(rows, n, r) for rows in self.n_rows]  # this rank's rows
+        # this rank's rows; a 0-dim parameter cannot be cut: every rank holds it (replicated)
+        self.row_ranges = [rows_of(rows, n, r) if len(s) else (0, 1)
+                           for rows, s in zip(self.n_rows, self.shapes)]
+        self.scalars = [j for j, s in enumerate(self.shapes) if not len(s) and n > 1]
         self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
                                                                     self.row_numels))
         # full and the shards have the same layout when each rank's shard is one piece of full
-        self._same_layout = n == 1 or len(params) == 1
+        self._same_layout = n == 1 or (len(params) == 1 and not self.scalars)
         self.params: list[nn.Parameter] = []  # the user parameters: adopt()
+        self.locals: list[torch.Tensor] = []  # their local tensors: this rank's rows, plain
 
         # Parameters on the meta device have no values yet (deferred init): what this rank
         # keeps is laid out on ``device`` as zeros, and write_param() fills it in.
@@ -142,6 +149,9 @@ class FlatBuffer:
                                      device=device if deferred else first.device)
                 for j, p in enumerate([] if deferred else params):
                     self._region(values, j)[:self.numels[j]].copy_(p.detach().reshape(-1))
+                for j in self.scalars:  # every rank's one-element chunk holds it
+                    region = self._region(values, j)
+                    region.copy_(region[0].expand_as(region))
         if mode is FlatMode.OWN and self._master is None:
             self._master = self._rows_of_rank(values, r)
             values = values.to(self.param_dtype)
@@ -179,29 +189,37 @@ class FlatBuffer:
         return out
 
     def shard_shape(self, j: int) -> torch.Size:
-        """Parameter j's shape on this rank: its rows (the whole shape in mode NONE or on one
-        rank; else a 0-dim parameter's shard is 1-D: one row or none)."""
-        if self.mode is FlatMode.NONE or self.ranks == 1:
+        """Parameter j's shape on this rank: its rows (the whole shape in mode NONE, on one
+        rank, or of a 0-dim parameter)."""
+        if self.mode is FlatMode.NONE or self.ranks == 1 or not len(self.shapes[j]):
             return self.shapes[j]
         lo, hi = self.row_ranges[j]
         return torch.Size([hi - lo, *self.shapes[j][1:]])
 
     def adopt(self, originals: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Make each original parameter hold this rank's rows (``p.data`` re-pointed, so an
-        optimizer built before wrapping still holds the right objects); a new Parameter where
-        the original cannot (it is on the meta device, or on another device or dtype)."""
-        self.params = []
-        for j, (p, view) in enumerate(zip(originals, self.shard_views())):
-            if p.device == view.device and p.dtype == view.dtype and not p.is_meta:
-                grad, p.grad = p.grad, None
+        """The user parameters: at stages 1-3 a new ``nn.Parameter`` per original, a DTensor
+        of this rank's rows (dtensors.py); at stage 0 the original itself, re-pointed
+        (``p.data``) at its view of ``full``, unless it cannot be (on the meta device, or on
+        another device or dtype). A gradient from before wrapping keeps this rank's rows."""
+        self.params, self.locals = [], self.shard_views()
+        for j, (p, view) in enumerate(zip(originals, self.locals)):
+            grad = None if p.is_meta else p.grad
+            if self.spec is None and (p.device, p.dtype) == (view.device, view.dtype) \
+                    and not p.is_meta:
+                p.grad = None
                 p.data = view
-                if grad is not None:  # a gradient from before wrapping: this rank's rows of it
-                    p.grad = self.my_rows(j, grad).clone()
             else:
-                p = nn.Parameter(view, requires_grad=p.requires_grad)
+                p = nn.Parameter(self.as_user(j, view), requires_grad=p.requires_grad)
+            if grad is not None:
+                p.grad = self.as_user(j, self.my_rows(j, grad).clone())
             self.params.append(p)
         self._gathered_version = self.version()
         return self.params
+
+    def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's ``rows`` of parameter j (or of its gradient, or state shaped like it) as
+        the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""
+        return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
 
     def views(self, detached: bool = False) -> list[torch.Tensor]:
         """The parameters as views of ``full`` (detached if frozen or ``detached``): ONE split
@@ -337,18 +355,23 @@ class FlatBuffer:
         """Copy this rank's rows of ``full`` into the shards (after someone edited ``full``)."""
         with torch.no_grad():
             if self._master is not None:  # VIEW and plain NONE shards ARE views of full
-                for j, p in enumerate(self.params):
-                    p.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
+                for j, rows in enumerate(self.locals):
+                    rows.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
         self._gathered_version = self.version()
 
     def load_master(self, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
         """Set the shards from the full ``values`` (one per parameter; each rank keeps its
         rows). ``only_if_changed``: leave an equal shard (and its version: no re-gather)."""
         with torch.no_grad():
-            for j, (p, value) in enumerate(zip(self.params, values)):
-                mine = self.my_rows(j, value).to(self.dtype)
-                if not (only_if_changed and torch.equal(mine, p)):
-                    p.copy_(mine)
+            for j, (rows, value) in enumerate(zip(self.locals, values)):
+                mine = self.my_rows(j, local(value)).to(self.dtype)
+                if not (only_if_changed and torch.equal(mine, rows)):
+                    rows.copy_(mine)
+                    self.mark_stale()
+
+    def mark_stale(self) -> None:
+        """A shard was written under the engine (a load): ``full`` must be gathered again."""
+        self._gathered_version = -1
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -368,19 +391,23 @@ class FlatBuffer:
             return
         for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
             out[:, o:o + w].copy_(self._region(grad, j).view(self.ranks, w))
+        for j in self.scalars:  # replicated: every rank receives the average of the whole
+            o = self.offsets[j]
+            out[:, o].copy_(out[0, o].expand(self.ranks))
 
     def add_shard_grad(self, piece: torch.Tensor) -> None:
         """Accumulate this rank's reduced ``piece`` (k elements, or the whole buffer in mode
         NONE) into the user parameters' ``.grad`` (views of it, padding dropped, in the master
         dtype). A frozen parameter's grad stays None."""
-        for j, p in enumerate(self.params):
+        for j, (p, rows) in enumerate(zip(self.params, self.locals)):
             if not p.requires_grad:
                 continue
-            g = piece[self.offsets[j]:self.offsets[j] + p.numel()].view(p.shape).to(self.dtype)
+            g = piece[self.offsets[j]:self.offsets[j] + rows.numel()].view(rows.shape)
+            g = g.to(self.dtype)
             if p.grad is None:
-                p.grad = g
+                p.grad = self.as_user(j, g)
             else:
-                p.grad.add_(g)
+                local(p.grad).add_(g)
 
 
 def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
