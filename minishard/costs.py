@@ -136,13 +136,18 @@ _open_ledgers: list[Ledger] = []
 
 @contextlib.contextmanager
 def ledger() -> Iterator[Ledger]:
-    """Record every collective this rank issues inside the block. Ledgers nest."""
+    """Record every collective this rank issues inside the block. Ledgers nest. The outermost
+    also watches the collectives torch runs on DTensors (dtensors.TorchCollectives)."""
     led = Ledger()
-    _open_ledgers.append(led)
-    try:
-        yield led
-    finally:
-        _open_ledgers.remove(led)
+    with contextlib.ExitStack() as stack:
+        if not _open_ledgers:
+            from minishard.dtensors import TorchCollectives  # it records through comm
+            stack.enter_context(TorchCollectives())
+        _open_ledgers.append(led)
+        try:
+            yield led
+        finally:
+            _open_ledgers.remove(led)
 
 
 def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[int, Fraction]:

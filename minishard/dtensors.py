@@ -34,6 +34,7 @@ import dataclasses
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -79,22 +80,25 @@ class Spec:
 
 
 class TorchCollectives(TorchDispatchMode):
-    """Records the collectives torch runs on its own (DTensor's, for ``clip_grad_norm_`` or a
-    ``full_tensor()``) as ledger entries: ``on_collective(op, tensor, group_name)``."""
+    """Inside a ledger (costs.ledger opens it): the collectives torch runs on its own, on
+    DTensors (``clip_grad_norm_``'s all-reduce of the partial norms, a ``full_tensor()``'s
+    all-gather), recorded as comm's entries, tagged ``torch <op>``. They run as functional
+    collectives (``torch.ops._c10d_functional``): this mode sees each op as it is issued."""
 
-    _OPS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-            "reduce_scatter_tensor": "reduce_scatter", "broadcast": "broadcast",
-            "all_reduce_coalesced": "all_reduce", "all_to_all_single": "all_to_all"}
-
-    def __init__(self, on_collective) -> None:
-        super().__init__()
-        self.on_collective = on_collective
+    # functional op -> (comm's name, how many times the input the whole tensor is)
+    _OPS = {"all_reduce": ("all_reduce", False), "all_reduce_coalesced": ("all_reduce", False),
+            "all_gather_into_tensor": ("all_gather", True),
+            "reduce_scatter_tensor": ("reduce_scatter", False), "broadcast": ("broadcast", False)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional":
-            op = self._OPS.get(func._opname)
-            if op is not None:
-                tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-                for t in tensors:
-                    self.on_collective(op, t, args[-1])
+        if DTensor in types:  # let DTensor run the op; its collectives come back through here
+            return NotImplemented
+        if func.namespace == "_c10d_functional" and func._opname in self._OPS:
+            from minishard import comm  # comm imports costs, which opens this mode
+            op, gathered = self._OPS[func._opname]
+            group = _resolve_process_group(args[-1])
+            n = comm.group_size(group)
+            for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
+                comm.record(op, t.numel() * (n if gathered else 1), t.dtype, n, f"torch {op}",
+                            group=group)
         return func(*args, **(kwargs or {}))

@@ -89,7 +89,58 @@ def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
     return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
 
 
-class FlatBuffer:
+class Layout:
+    """Where every row of a unit's parameters sits, and nothing else (no storage): parameters
+    of ``shapes`` cut along dim 0 into ``ranks`` chunks, seen from ``rank`` (the module
+    docstring's picture)."""
+
+    def __init__(self, shapes: list[torch.Size], ranks: int, rank: int) -> None:
+        self.shapes = shapes
+        self.numels = [math.prod(s) for s in shapes]
+        self.numel = sum(self.numels)
+        self.ranks, self._r = n, r = ranks, rank  # our chunk of each param is the r-th
+        self.n_rows = [s[0] if len(s) else 1 for s in shapes]   # a 0-dim param: one row
+        self.row_numels = [math.prod(s[1:]) for s in shapes]
+        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
+        self.offsets = [sum(self.widths[:j]) for j in range(len(shapes))]  # in the shard
+        self.shard_numel = sum(self.widths)                  # k: what each rank sends
+        self.padded_numel = n * self.shard_numel
+        # this rank's rows; a 0-dim parameter cannot be cut: every rank holds it (replicated)
+        self.row_ranges = [rows_of(rows, n, r) if len(s) else (0, 1)
+                           for rows, s in zip(self.n_rows, shapes)]
+        self.scalars = [j for j, s in enumerate(shapes) if not len(s) and n > 1]
+        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
+                                                                    self.row_numels))
+        # full and the shards have the same layout when each rank's shard is one piece of full
+        self._same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
+
+    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter j's padded region (N chunks) of a full-layout tensor."""
+        start = self.ranks * self.offsets[j]
+        return flat[start:start + self.ranks * self.widths[j]]
+
+    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
+        ``out`` when given."""
+        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
+                          for j in range(len(self.widths))], out=out)
+
+    def shard_shape(self, j: int) -> torch.Size:
+        """Parameter j's shape on this rank: its rows (the whole shape on one rank, or of a
+        0-dim parameter)."""
+        if self.ranks == 1 or not len(self.shapes[j]):
+            return self.shapes[j]
+        lo, hi = self.row_ranges[j]
+        return torch.Size([hi - lo, *self.shapes[j][1:]])
+
+    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
+        lo, hi = self.row_ranges[j]
+        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
+
+
+class FlatBuffer(Layout):
     """The parameters ``params`` of one unit (one dtype, one requires_grad), their ``full``
     buffer, this rank's shards of them, and the collectives between the two."""
 
@@ -104,29 +155,13 @@ class FlatBuffer:
         self.spec = spec  # stages 1-3: the user parameters are DTensors (dtensors.py)
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        sharded = mode is not FlatMode.NONE  # stage 0: one chunk, the whole of each parameter
+        super().__init__([p.shape for p in params], self.world if sharded else 1,
+                         self.rank if sharded else 0)
         first = params[0]
         self.dtype = first.dtype                                  # the master (shard) dtype
         self.param_dtype = param_dtype or first.dtype             # what the module computes in
         self.requires_grad = first.requires_grad
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.numel = sum(self.numels)
-        self.ranks = n = 1 if mode is FlatMode.NONE else self.world
-        self._r = r = 0 if mode is FlatMode.NONE else self.rank  # our chunk of each param
-        self.n_rows = [s[0] if len(s) else 1 for s in self.shapes]   # a 0-dim param: one row
-        self.row_numels = [math.prod(s[1:]) for s in self.shapes]
-        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
-        self.offsets = [sum(self.widths[:j]) for j in range(len(params))]  # in the shard
-        self.shard_numel = sum(self.widths)                  # k: what each rank sends
-        self.padded_numel = n * self.shard_numel
-        # this rank's rows; a 0-dim parameter cannot be cut: every rank holds it (replicated)
-        self.row_ranges = [rows_of(rows, n, r) if len(s) else (0, 1)
-                           for rows, s in zip(self.n_rows, self.shapes)]
-        self.scalars = [j for j, s in enumerate(self.shapes) if not len(s) and n > 1]
-        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
-                                                                    self.row_numels))
-        # full and the shards have the same layout when each rank's shard is one piece of full
-        self._same_layout = n == 1 or (len(params) == 1 and not self.scalars)
         self.params: list[nn.Parameter] = []  # the user parameters: adopt()
         self.locals: list[torch.Tensor] = []  # their local tensors: this rank's rows, plain
 
@@ -153,7 +188,7 @@ class FlatBuffer:
                     region = self._region(values, j)
                     region.copy_(region[0].expand_as(region))
         if mode is FlatMode.OWN and self._master is None:
-            self._master = self._rows_of_rank(values, r)
+            self._master = self._rows_of_rank(values, self._r)
             values = values.to(self.param_dtype)
         elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
             self._master, values = values, values.to(self.param_dtype)
@@ -162,18 +197,6 @@ class FlatBuffer:
         self._pending = None  # an async gather in flight
 
     # ------------------------------------------------------------------------------- layout
-    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter j's padded region (N chunks) of a full-layout tensor."""
-        start = self.ranks * self.offsets[j]
-        return flat[start:start + self.ranks * self.widths[j]]
-
-    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
-        ``out`` when given."""
-        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
-                          for j in range(len(self.widths))], out=out)
-
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, shaped like its shard, as views of the storage
         that holds them (``_master`` in mode OWN, else full's layout): the user parameters."""
@@ -187,14 +210,6 @@ class FlatBuffer:
                 piece = self._region(source, j).view(self.ranks, -1)[self._r][:n]
             out.append(piece.view(self.shard_shape(j)))
         return out
-
-    def shard_shape(self, j: int) -> torch.Size:
-        """Parameter j's shape on this rank: its rows (the whole shape in mode NONE, on one
-        rank, or of a 0-dim parameter)."""
-        if self.mode is FlatMode.NONE or self.ranks == 1 or not len(self.shapes[j]):
-            return self.shapes[j]
-        lo, hi = self.row_ranges[j]
-        return torch.Size([hi - lo, *self.shapes[j][1:]])
 
     def adopt(self, originals: list[nn.Parameter]) -> list[nn.Parameter]:
         """The user parameters: at stages 1-3 a new ``nn.Parameter`` per original, a DTensor
@@ -231,11 +246,6 @@ class FlatBuffer:
             frozen = self.params and not self.params[j].requires_grad
             out.append(piece.detach().view(shape) if frozen or detached else piece.view(shape))
         return out
-
-    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
-        lo, hi = self.row_ranges[j]
-        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
 
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
