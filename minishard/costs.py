@@ -137,12 +137,11 @@ _open_ledgers: list[Ledger] = []
 @contextlib.contextmanager
 def ledger() -> Iterator[Ledger]:
     """Record every collective this rank issues inside the block. Ledgers nest. The outermost
-    also watches the collectives torch runs on DTensors (dtensors.TorchCollectives)."""
+    also opens each of :data:`WATCHERS` (dtensors.py: the collectives torch runs on DTensors)."""
     led = Ledger()
     with contextlib.ExitStack() as stack:
-        if not _open_ledgers:
-            from minishard.dtensors import TorchCollectives  # it records through comm
-            stack.enter_context(TorchCollectives())
+        for watcher in WATCHERS if not _open_ledgers else ():
+            stack.enter_context(watcher())
         _open_ledgers.append(led)
         try:
             yield led
@@ -162,6 +161,9 @@ def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[
         steps = n.bit_length() - 1
         return steps, Fraction(steps * full_bytes)
     return 2 * (n - 1), ring_bytes("all_reduce", full_bytes, n)
+
+
+WATCHERS: list = []  # context managers that record collectives comm does not issue
 
 
 def recording() -> bool:

@@ -38,6 +38,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from minishard import comm, costs
+
 __all__ = ["Spec", "local", "mesh_of", "TorchCollectives"]
 
 
@@ -94,7 +96,6 @@ class TorchCollectives(TorchDispatchMode):
         if DTensor in types:  # let DTensor run the op; its collectives come back through here
             return NotImplemented
         if func.namespace == "_c10d_functional" and func._opname in self._OPS:
-            from minishard import comm  # comm imports costs, which opens this mode
             op, gathered = self._OPS[func._opname]
             group = _resolve_process_group(args[-1])
             n = comm.group_size(group)
@@ -102,3 +103,6 @@ class TorchCollectives(TorchDispatchMode):
                 comm.record(op, t.numel() * (n if gathered else 1), t.dtype, n, f"torch {op}",
                             group=group)
         return func(*args, **(kwargs or {}))
+
+
+costs.WATCHERS.append(TorchCollectives)

@@ -11,10 +11,11 @@ Rank r's *shard* puts its chunk of every parameter side by side. For a (3x2), b 
     rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        k = 4 + 2 + 3 = 9 elements on every rank
     rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        (_ : padding, always zero)
 
-The *user parameters* (the module's own ``nn.Parameter`` objects, kept: build.py) hold this
-rank's rows of each parameter, with the original number of dimensions: ``a`` is (2, 2) on rank 0
-and (1, 2) on rank 1. So ``model.named_parameters()`` keeps its names, ``p.dim()`` still picks
-weight decay, and any one parameter can be frozen. The optimizer steps those.
+The *user parameters* (what ``model.parameters()`` gives and the optimizer steps) are DTensors
+of global shape (3, 2) whose local tensor is this rank's rows: (2, 2) on rank 0, (1, 2) on rank 1
+(dtensors.py). So names, shapes and ``p.dim()`` stay, any one parameter can be frozen, and
+torch's clip and state-dict tools see a shard. A 0-dim parameter is replicated: every rank's
+one-element chunk holds it.
 
 ``full`` is the buffer the module computes with, parameter by parameter (each padded to N chunks)::
 
@@ -26,12 +27,11 @@ The module's parameters are views of ``full`` while a unit computes, so autograd
 gradients into ``full.grad`` in that layout; before the reduce-scatter it is copied into the
 rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
 parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
-unit, as before; the price is one copy of the unit's bytes per gather and per reduction (none
-when a unit has one parameter, or N = 1: then both layouts are the same). FSDP1 and DeepSpeed's
-stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copies, but the
-pieces are 1-D slices across parameter boundaries, so names, shapes and per-parameter freezing
-are lost. (DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to 1-D: elements, not
-rows.)
+unit; the price is one copy of the unit's bytes per gather and per reduction (none when a unit
+has one parameter, or N = 1). FSDP1 and DeepSpeed's stages 1-2 cut the concatenation instead
+(rank 0 = [a0 a1 a2 b0 b1]...): no copies, but 1-D pieces across parameter boundaries lose
+names, shapes and per-parameter freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own,
+flattened to 1-D: elements, not rows.)
 
 Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
 collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.
@@ -65,13 +65,13 @@ from torch import nn
 
 from minishard import comm
 from minishard.dtensors import Spec, local
+from minishard.layout import Layout, rows_of
 
 __all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "rows_of"]
 
 
 class FlatMode(str, enum.Enum):
-    """Where a flat buffer's full tensor and shards live (the table in the module docstring).
-    A ``str`` enum: ``FlatMode.VIEW == "view"``, so the old spellings still compare equal."""
+    """Where a flat buffer's full tensor and shards live (the table in the module docstring)."""
     NONE = "none"  # not sharded (stage 0): the parameters are views of full
     VIEW = "view"  # full always kept; the shards are views of this rank's rows in it
     OWN = "own"    # the shards own their storage (_master); full exists only while gathered
@@ -80,64 +80,6 @@ class FlatMode(str, enum.Enum):
         """The mode to build when full holds another dtype than the master (mixed precision):
         a bf16 full buffer cannot hold the fp32 master, so a VIEW shard must own its storage."""
         return FlatMode.OWN if self is FlatMode.VIEW and cast else self
-
-
-def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
-    """The rows [lo, hi) of a dim-0 cut into ``ranks`` chunks of ceil(n_rows / ranks) that
-    ``rank`` holds (empty for the last ranks when there are fewer rows than ranks)."""
-    c = math.ceil(n_rows / ranks)
-    return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
-
-
-class Layout:
-    """Where every row of a unit's parameters sits, and nothing else (no storage): parameters
-    of ``shapes`` cut along dim 0 into ``ranks`` chunks, seen from ``rank`` (the module
-    docstring's picture)."""
-
-    def __init__(self, shapes: list[torch.Size], ranks: int, rank: int) -> None:
-        self.shapes = shapes
-        self.numels = [math.prod(s) for s in shapes]
-        self.numel = sum(self.numels)
-        self.ranks, self._r = n, r = ranks, rank  # our chunk of each param is the r-th
-        self.n_rows = [s[0] if len(s) else 1 for s in shapes]   # a 0-dim param: one row
-        self.row_numels = [math.prod(s[1:]) for s in shapes]
-        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
-        self.offsets = [sum(self.widths[:j]) for j in range(len(shapes))]  # in the shard
-        self.shard_numel = sum(self.widths)                  # k: what each rank sends
-        self.padded_numel = n * self.shard_numel
-        # this rank's rows; a 0-dim parameter cannot be cut: every rank holds it (replicated)
-        self.row_ranges = [rows_of(rows, n, r) if len(s) else (0, 1)
-                           for rows, s in zip(self.n_rows, shapes)]
-        self.scalars = [j for j, s in enumerate(shapes) if not len(s) and n > 1]
-        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
-                                                                    self.row_numels))
-        # full and the shards have the same layout when each rank's shard is one piece of full
-        self._same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
-
-    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter j's padded region (N chunks) of a full-layout tensor."""
-        start = self.ranks * self.offsets[j]
-        return flat[start:start + self.ranks * self.widths[j]]
-
-    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
-        ``out`` when given."""
-        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
-                          for j in range(len(self.widths))], out=out)
-
-    def shard_shape(self, j: int) -> torch.Size:
-        """Parameter j's shape on this rank: its rows (the whole shape on one rank, or of a
-        0-dim parameter)."""
-        if self.ranks == 1 or not len(self.shapes[j]):
-            return self.shapes[j]
-        lo, hi = self.row_ranges[j]
-        return torch.Size([hi - lo, *self.shapes[j][1:]])
-
-    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
-        lo, hi = self.row_ranges[j]
-        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
 
 
 class FlatBuffer(Layout):

@@ -132,14 +132,13 @@ class ZeRO(trace.Traced, nn.Module):
     ``device`` and ``param_init_fn`` (a module built on the meta device is materialised one
     module at a time: deferred_init.py).
 
-    ``model.named_parameters()`` are the module's own parameters (``module.`` prefixed, as
-    DDP's): whole at stage 0, this rank's rows at stages 1-3 (flat.py). Build the optimizer over
-    them, by name or ``p.dim()`` as for the unwrapped model (one built before wrapping holds the
-    same objects). While units compute they show views of the full parameters. A parameter
-    skipped inside a unit whose others got gradients gets zeros (one flat gradient per unit, as
-    FSDP1): make it a unit of its own; a unit no rank used keeps ``grad=None``.
-    ``requires_grad_(False)`` on any parameter or module freezes exactly that.
-    ``model.module.state_dict()`` of shards raises: use ``full_state_dict()`` or ``gathered()``.
+    ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
+    at stages 1-3 DTensors of this rank's rows (dtensors.py), as FSDP2's: build the optimizer
+    after wrapping, by name or ``p.dim()``; torch's ``clip_grad_norm_`` and ``get_state_dict(
+    model.module, opt)`` work on them. While units compute they show views of the full
+    parameters. A parameter skipped inside a unit whose others got gradients gets zeros (one
+    flat gradient per unit, as FSDP1): make it a unit of its own; a unit no rank used keeps
+    ``grad=None``. ``requires_grad_(False)`` on any parameter or module freezes exactly that.
     """
     __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
 
