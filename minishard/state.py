@@ -358,7 +358,7 @@ def _assemble(name: str, param, meta: dict, files: _ShardFiles):
     """This rank's rows [lo, hi) of one parameter, cut out of the old ranks' files that overlap
     them: (values, optimizer state shaped like the user parameter, or None)."""
     lo, hi, held = _held(param)
-    shape = param.user.shape
+    shape = param.rows.shape
     rows = next(p["rows"] for p in meta["params"] if p["name"] == name)
     sources = [r for r, (a, b) in enumerate(rows) if a < hi and lo < b]
     # An empty shard (more ranks than rows) has no rows to read but still needs the scalar
