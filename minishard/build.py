@@ -14,9 +14,9 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
             └─ b2 (unit) ── shared (same object)   its owner is the root, gathered while both run
 
 4. **Flat buffers.** A unit's parameters are grouped by (dtype, requires_grad, param group) and
-   each group becomes one :class:`~minishard.flat.FlatBuffer`. The module keeps its own
-   ``nn.Parameter`` objects, re-pointed (``p.data``) at this rank's rows of them (flat.py,
-   ``adopt``): names, number of dimensions and ``requires_grad`` stay the user's.
+   each group becomes one :class:`~minishard.flat.FlatBuffer`. At stages 1-3 each parameter
+   becomes a DTensor of this rank's rows (dtensors.py; flat.py, ``adopt``); stage 0 keeps the
+   module's own ``nn.Parameter`` objects. Names, shapes and ``requires_grad`` stay the user's.
 5. **Values.** An eager model's values are broadcast from rank 0 first; a model with tensors on
    the meta device is materialised into the flat buffers one module at a time
    (deferred_init.py).
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from minishard import comm
+from minishard.dtensors import Spec, mesh_of
 from minishard.deferred_init import DeferredInit, default_device, has_meta_tensors, materialize
 from minishard.flat import FlatBuffer, FlatMode
 from minishard.meters import WrapMeter, storage_bytes
@@ -161,7 +162,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
             f"{sorted(map(str, devices))}; a unit's flat buffer lives on one device. Move the "
             "module to one device (module.to(device)) or make the submodules on other devices "
             "units of their own.")
-    for (dtype, rg, pg, _, compute), ps in buckets.items():
+    for (dtype, rg, pg, device, compute), ps in buckets.items():
         tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
                f"{f'/group{pg}' if pg else ''}"
                f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}")
@@ -169,7 +170,9 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
         flat = FlatBuffer(layout, groups.shard, mode=FlatMode(flat_mode).under_cast(cast),
                           param_dtype=compute, name=tag, replicate_group=groups.replicate,
-                          device=deferred and deferred.device)
+                          device=deferred and deferred.device,
+                          spec=None if flat_mode is FlatMode.NONE else Spec(mesh_of(groups,
+                                                                                device.type)))
         flat.param_group = pg  # which optimizer param group its shard belongs to
         unit.add_flat(flat, [places[p] for p in ps])
         meter.hold(flat.held_bytes())

@@ -40,9 +40,9 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
+def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
             algorithm: str = "ring", group=None) -> None:
-    """Give the open ledgers (costs.py) this collective's entry: comm knows the group."""
+    """Give the open ledgers (costs.py) this collective's entry (dtensors.py: DTensor's too)."""
     if not costs.recording() and _observer is None:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
@@ -131,7 +131,7 @@ def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
     tensor would reach the others scrambled, silently. Every collective below hands the backend
     a contiguous copy of a strided argument (:func:`_dense`) and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
-    _record(op, numel, tensor.dtype, n, tag, algorithm, group)
+    record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
 

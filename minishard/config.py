@@ -95,6 +95,7 @@ class Groups:
     shard: object      # the ranks a flat buffer is cut across (stage 0: every rank)
     replicate: object  # the ranks holding the same shard, or None when there are no replicas
     every: object      # every rank of the engine: the config check and the initial broadcast
+    mesh: object = None  # the user's DeviceMesh, if one was given (dtensors.mesh_of)
 
 
 def resolve_groups(mesh, process_group, stage: int) -> Groups:
@@ -117,7 +118,7 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
                          f"the mesh {mesh.mesh.tolist()}; build the engine on the mesh's ranks only")
     if mesh.ndim == 1:
         group = mesh.get_group()
-        return Groups(group, None, group)
+        return Groups(group, None, group, mesh)
     if mesh.ndim != 2 or mesh.size() != torch.distributed.get_world_size():
         raise ValueError(
             f"ZeRO: mesh {mesh.mesh.tolist()} has {mesh.ndim} dims over {mesh.size()} of the "
@@ -127,7 +128,7 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
     if stage == 0:  # nothing is sharded: one all-reduce over every rank, as DDP
         return Groups(None, None, None)
     replicate = mesh.get_group(0) if mesh.size(0) > 1 else None
-    return Groups(mesh.get_group(1), replicate, None)
+    return Groups(mesh.get_group(1), replicate, None, mesh)
 
 
 # ----------------------------------------------------------------------------- the checks

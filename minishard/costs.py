@@ -136,13 +136,17 @@ _open_ledgers: list[Ledger] = []
 
 @contextlib.contextmanager
 def ledger() -> Iterator[Ledger]:
-    """Record every collective this rank issues inside the block. Ledgers nest."""
+    """Record every collective this rank issues inside the block. Ledgers nest. The outermost
+    also opens each of :data:`WATCHERS` (dtensors.py: the collectives torch runs on DTensors)."""
     led = Ledger()
-    _open_ledgers.append(led)
-    try:
-        yield led
-    finally:
-        _open_ledgers.remove(led)
+    with contextlib.ExitStack() as stack:
+        for watcher in WATCHERS if not _open_ledgers else ():
+            stack.enter_context(watcher())
+        _open_ledgers.append(led)
+        try:
+            yield led
+        finally:
+            _open_ledgers.remove(led)
 
 
 def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[int, Fraction]:
@@ -157,6 +161,9 @@ def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[
         steps = n.bit_length() - 1
         return steps, Fraction(steps * full_bytes)
     return 2 * (n - 1), ring_bytes("all_reduce", full_bytes, n)
+
+
+WATCHERS: list = []  # context managers that record collectives comm does not issue
 
 
 def recording() -> bool:

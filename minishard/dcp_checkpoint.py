@@ -125,7 +125,7 @@ def _per_element(t, param) -> bool:
 def _held(param, loaded) -> torch.Tensor:
     """A filled :func:`_target` as this rank's rows, shaped like its user parameter."""
     if isinstance(loaded, DTensor):
-        return loaded.to_local().reshape(param.user.shape)
+        return loaded.to_local().reshape(param.rows.shape)
     return param.flat.my_rows(param.index, loaded)  # the whole tensor: keep this rank's rows
 
 
@@ -136,7 +136,7 @@ def save_dcp(path: str, model, optimizer) -> None:
     world, rank = comm.group_size(group), comm.group_rank(group)
     values, states = {}, {}
     for name, param in named_params(model):
-        value = _saved(param, param.user, mesh, world, rank)
+        value = _saved(param, param.rows, mesh, world, rank)
         values.update({place.fqn: value for place in param.places})  # tied: every name, as stock
         state = optimizer.state.get(param.user) if optimizer is not None else None
         if state:
@@ -215,7 +215,7 @@ def read_dcp(path: str, model, optimizer):
         error = exc
     raise_together(error, groups, "dcp checkpoint: optimizer checked", CheckpointError(
         f"another rank could not load the optimizer state of {path}; nothing was loaded"))
-    values = [(param.user, _held(param, targets[keys.value(param)]))
+    values = [(param, _held(param, targets[keys.value(param)]))
               for _, param in named_params(model)]
     buffers = {k: targets[keys.model + k] for k in buffer_state(model.module)}
     return values, buffers, optim_sd, loaded_groups

@@ -11,10 +11,11 @@ Rank r's *shard* puts its chunk of every parameter side by side. For a (3x2), b 
     rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        k = 4 + 2 + 3 = 9 elements on every rank
     rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        (_ : padding, always zero)
 
-The *user parameters* (the module's own ``nn.Parameter`` objects, kept: build.py) hold this
-rank's rows of each parameter, with the original number of dimensions: ``a`` is (2, 2) on rank 0
-and (1, 2) on rank 1. So ``model.named_parameters()`` keeps its names, ``p.dim()`` still picks
-weight decay, and any one parameter can be frozen. The optimizer steps those.
+The *user parameters* (what ``model.parameters()`` gives and the optimizer steps) are DTensors
+of global shape (3, 2) whose local tensor is this rank's rows: (2, 2) on rank 0, (1, 2) on rank 1
+(dtensors.py). So names, shapes and ``p.dim()`` stay, any one parameter can be frozen, and
+torch's clip and state-dict tools see a shard. A 0-dim parameter is replicated: every rank's
+one-element chunk holds it.
 
 ``full`` is the buffer the module computes with, parameter by parameter (each padded to N chunks)::
 
@@ -26,12 +27,11 @@ The module's parameters are views of ``full`` while a unit computes, so autograd
 gradients into ``full.grad`` in that layout; before the reduce-scatter it is copied into the
 rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
 parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
-unit, as before; the price is one copy of the unit's bytes per gather and per reduction (none
-when a unit has one parameter, or N = 1: then both layouts are the same). FSDP1 and DeepSpeed's
-stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copies, but the
-pieces are 1-D slices across parameter boundaries, so names, shapes and per-parameter freezing
-are lost. (DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to 1-D: elements, not
-rows.)
+unit; the price is one copy of the unit's bytes per gather and per reduction (none when a unit
+has one parameter, or N = 1). FSDP1 and DeepSpeed's stages 1-2 cut the concatenation instead
+(rank 0 = [a0 a1 a2 b0 b1]...): no copies, but 1-D pieces across parameter boundaries lose
+names, shapes and per-parameter freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own,
+flattened to 1-D: elements, not rows.)
 
 Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
 collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.
@@ -64,13 +64,14 @@ import torch
 from torch import nn
 
 from minishard import comm
+from minishard.dtensors import Spec, local
+from minishard.layout import Layout, rows_of
 
 __all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "rows_of"]
 
 
 class FlatMode(str, enum.Enum):
-    """Where a flat buffer's full tensor and shards live (the table in the module docstring).
-    A ``str`` enum: ``FlatMode.VIEW == "view"``, so the old spellings still compare equal."""
+    """Where a flat buffer's full tensor and shards live (the table in the module docstring)."""
     NONE = "none"  # not sharded (stage 0): the parameters are views of full
     VIEW = "view"  # full always kept; the shards are views of this rank's rows in it
     OWN = "own"    # the shards own their storage (_master); full exists only while gathered
@@ -81,47 +82,30 @@ class FlatMode(str, enum.Enum):
         return FlatMode.OWN if self is FlatMode.VIEW and cast else self
 
 
-def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
-    """The rows [lo, hi) of a dim-0 cut into ``ranks`` chunks of ceil(n_rows / ranks) that
-    ``rank`` holds (empty for the last ranks when there are fewer rows than ranks)."""
-    c = math.ceil(n_rows / ranks)
-    return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
-
-
-class FlatBuffer:
+class FlatBuffer(Layout):
     """The parameters ``params`` of one unit (one dtype, one requires_grad), their ``full``
     buffer, this rank's shards of them, and the collectives between the two."""
 
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode | str = "own",
                  param_dtype: torch.dtype | None = None, name: str = "",
-                 replicate_group=None, device: torch.device | None = None) -> None:
+                 replicate_group=None, device: torch.device | None = None,
+                 spec: Spec | None = None) -> None:
         mode = FlatMode(mode)
         assert mode is not FlatMode.NONE or replicate_group is None, \
             "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
+        self.spec = spec  # stages 1-3: the user parameters are DTensors (dtensors.py)
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
+        sharded = mode is not FlatMode.NONE  # stage 0: one chunk, the whole of each parameter
+        super().__init__([p.shape for p in params], self.world if sharded else 1,
+                         self.rank if sharded else 0)
         first = params[0]
         self.dtype = first.dtype                                  # the master (shard) dtype
         self.param_dtype = param_dtype or first.dtype             # what the module computes in
         self.requires_grad = first.requires_grad
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.numel = sum(self.numels)
-        self.ranks = n = 1 if mode is FlatMode.NONE else self.world
-        self._r = r = 0 if mode is FlatMode.NONE else self.rank  # our chunk of each param
-        self.n_rows = [s[0] if len(s) else 1 for s in self.shapes]   # a 0-dim param: one row
-        self.row_numels = [math.prod(s[1:]) for s in self.shapes]
-        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
-        self.offsets = [sum(self.widths[:j]) for j in range(len(params))]  # in the shard
-        self.shard_numel = sum(self.widths)                  # k: what each rank sends
-        self.padded_numel = n * self.shard_numel
-        self.row_ranges = [rows_of(rows, n, r) for rows in self.n_rows]  # this rank's rows
-        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
-                                                                    self.row_numels))
-        # full and the shards have the same layout when each rank's shard is one piece of full
-        self._same_layout = n == 1 or len(params) == 1
         self.params: list[nn.Parameter] = []  # the user parameters: adopt()
+        self.locals: list[torch.Tensor] = []  # their local tensors: this rank's rows, plain
 
         # Parameters on the meta device have no values yet (deferred init): what this rank
         # keeps is laid out on ``device`` as zeros, and write_param() fills it in.
@@ -142,8 +126,11 @@ class FlatBuffer:
                                      device=device if deferred else first.device)
                 for j, p in enumerate([] if deferred else params):
                     self._region(values, j)[:self.numels[j]].copy_(p.detach().reshape(-1))
+                for j in self.scalars:  # every rank's one-element chunk holds it
+                    region = self._region(values, j)
+                    region.copy_(region[0].expand_as(region))
         if mode is FlatMode.OWN and self._master is None:
-            self._master = self._rows_of_rank(values, r)
+            self._master = self._rows_of_rank(values, self._r)
             values = values.to(self.param_dtype)
         elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
             self._master, values = values, values.to(self.param_dtype)
@@ -152,18 +139,6 @@ class FlatBuffer:
         self._pending = None  # an async gather in flight
 
     # ------------------------------------------------------------------------------- layout
-    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter j's padded region (N chunks) of a full-layout tensor."""
-        start = self.ranks * self.offsets[j]
-        return flat[start:start + self.ranks * self.widths[j]]
-
-    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
-        ``out`` when given."""
-        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
-                          for j in range(len(self.widths))], out=out)
-
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, shaped like its shard, as views of the storage
         that holds them (``_master`` in mode OWN, else full's layout): the user parameters."""
@@ -178,30 +153,30 @@ class FlatBuffer:
             out.append(piece.view(self.shard_shape(j)))
         return out
 
-    def shard_shape(self, j: int) -> torch.Size:
-        """Parameter j's shape on this rank: its rows (the whole shape in mode NONE or on one
-        rank; else a 0-dim parameter's shard is 1-D: one row or none)."""
-        if self.mode is FlatMode.NONE or self.ranks == 1:
-            return self.shapes[j]
-        lo, hi = self.row_ranges[j]
-        return torch.Size([hi - lo, *self.shapes[j][1:]])
-
     def adopt(self, originals: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Make each original parameter hold this rank's rows (``p.data`` re-pointed, so an
-        optimizer built before wrapping still holds the right objects); a new Parameter where
-        the original cannot (it is on the meta device, or on another device or dtype)."""
-        self.params = []
-        for j, (p, view) in enumerate(zip(originals, self.shard_views())):
-            if p.device == view.device and p.dtype == view.dtype and not p.is_meta:
-                grad, p.grad = p.grad, None
+        """The user parameters: at stages 1-3 a new ``nn.Parameter`` per original, a DTensor
+        of this rank's rows (dtensors.py); at stage 0 the original itself, re-pointed
+        (``p.data``) at its view of ``full``, unless it cannot be (on the meta device, or on
+        another device or dtype). A gradient from before wrapping keeps this rank's rows."""
+        self.params, self.locals = [], self.shard_views()
+        for j, (p, view) in enumerate(zip(originals, self.locals)):
+            grad = None if p.is_meta else p.grad
+            if self.spec is None and (p.device, p.dtype) == (view.device, view.dtype) \
+                    and not p.is_meta:
+                p.grad = None
                 p.data = view
-                if grad is not None:  # a gradient from before wrapping: this rank's rows of it
-                    p.grad = self.my_rows(j, grad).clone()
             else:
-                p = nn.Parameter(view, requires_grad=p.requires_grad)
+                p = nn.Parameter(self.as_user(j, view), requires_grad=p.requires_grad)
+            if grad is not None:
+                p.grad = self.as_user(j, self.my_rows(j, grad).clone())
             self.params.append(p)
         self._gathered_version = self.version()
         return self.params
+
+    def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's ``rows`` of parameter j (or of its gradient, or state shaped like it) as
+        the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""
+        return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
 
     def views(self, detached: bool = False) -> list[torch.Tensor]:
         """The parameters as views of ``full`` (detached if frozen or ``detached``): ONE split
@@ -213,11 +188,6 @@ class FlatBuffer:
             frozen = self.params and not self.params[j].requires_grad
             out.append(piece.detach().view(shape) if frozen or detached else piece.view(shape))
         return out
-
-    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
-        lo, hi = self.row_ranges[j]
-        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
 
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
@@ -337,18 +307,23 @@ class FlatBuffer:
         """Copy this rank's rows of ``full`` into the shards (after someone edited ``full``)."""
         with torch.no_grad():
             if self._master is not None:  # VIEW and plain NONE shards ARE views of full
-                for j, p in enumerate(self.params):
-                    p.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
+                for j, rows in enumerate(self.locals):
+                    rows.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
         self._gathered_version = self.version()
 
     def load_master(self, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
         """Set the shards from the full ``values`` (one per parameter; each rank keeps its
         rows). ``only_if_changed``: leave an equal shard (and its version: no re-gather)."""
         with torch.no_grad():
-            for j, (p, value) in enumerate(zip(self.params, values)):
-                mine = self.my_rows(j, value).to(self.dtype)
-                if not (only_if_changed and torch.equal(mine, p)):
-                    p.copy_(mine)
+            for j, (rows, value) in enumerate(zip(self.locals, values)):
+                mine = self.my_rows(j, local(value)).to(self.dtype)
+                if not (only_if_changed and torch.equal(mine, rows)):
+                    rows.copy_(mine)
+                    self.mark_stale()
+
+    def mark_stale(self) -> None:
+        """A shard was written under the engine (a load): ``full`` must be gathered again."""
+        self._gathered_version = -1
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -368,19 +343,23 @@ class FlatBuffer:
             return
         for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
             out[:, o:o + w].copy_(self._region(grad, j).view(self.ranks, w))
+        for j in self.scalars:  # replicated: every rank receives the average of the whole
+            o = self.offsets[j]
+            out[:, o].copy_(out[0, o].expand(self.ranks))
 
     def add_shard_grad(self, piece: torch.Tensor) -> None:
         """Accumulate this rank's reduced ``piece`` (k elements, or the whole buffer in mode
         NONE) into the user parameters' ``.grad`` (views of it, padding dropped, in the master
         dtype). A frozen parameter's grad stays None."""
-        for j, p in enumerate(self.params):
+        for j, (p, rows) in enumerate(zip(self.params, self.locals)):
             if not p.requires_grad:
                 continue
-            g = piece[self.offsets[j]:self.offsets[j] + p.numel()].view(p.shape).to(self.dtype)
+            g = piece[self.offsets[j]:self.offsets[j] + rows.numel()].view(rows.shape)
+            g = g.to(self.dtype)
             if p.grad is None:
-                p.grad = g
+                p.grad = self.as_user(j, g)
             else:
-                p.grad.add_(g)
+                local(p.grad).add_(g)
 
 
 def gather_params(flats: list[FlatBuffer]) -> comm.Handle:

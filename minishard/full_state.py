@@ -20,6 +20,7 @@ import torch
 
 from minishard import comm
 from minishard.checkpoint_files import CheckpointError
+from minishard.dtensors import local
 from minishard.flat import FlatMode
 from minishard.verdicts import rank0_verdict
 
@@ -60,6 +61,7 @@ def gather_full(flat, pieces: list[torch.Tensor], what: str = "state dict", keep
     The gather lands in N x k staging rows (this rank's row filled in place; a view of
     ``staging`` when given), then each full tensor is copied out. A rank that only takes part
     (``keep=False``: ``rank0_only`` on the others) copies nothing out and returns None."""
+    pieces = [local(t) for t in pieces]
     if flat.mode is FlatMode.NONE:  # every rank already holds all of it
         return [t.detach().reshape(s).clone() for t, s in zip(pieces, flat.shapes)] \
             if keep else None
@@ -221,7 +223,9 @@ def split_state(state: dict, shard: torch.Tensor) -> tuple[dict, dict]:
     """Split one parameter's optimizer state into per-element tensors (shaped like its shard:
     cut and gathered like the values) and scalars (``step``, ...: copied as they are)."""
     per_element, scalars = {}, {}
+    shard = local(shard)
     for key, value in state.items():
+        value = local(value)
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             if value.shape != shard.shape:
                 raise CheckpointError(
@@ -312,7 +316,8 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
             keys = sorted({k for s, p in zip(states, flat.params)
                            for k in split_state(s, p)[0]})
             gathered_keys = {k: gather_full(
-                flat, [s.get(k, p.new_zeros(p.shape)) for s, p in zip(states, flat.params)],
+                flat, [s.get(k, rows.new_zeros(rows.shape)) for s, rows in zip(states,
+                                                                              flat.locals)],
                 "optimizer state", staging=staging) for k in keys}
             for param, state in zip(unit.params(flat), states):
                 if state:
@@ -345,7 +350,7 @@ def load_full_optimizer_state_dict(model, optimizer, state_dict: dict,
         sharded.append((hyperparameters(saved),
                         [_my_rows_of_state(param, by_param[id(param)])
                          for param in _in_optimizer_order(params, optimizer, saved)]))
-    optimizer.load_state_dict(torch_optimizer_state(sharded))
+    load_rows_into(optimizer, torch_optimizer_state(sharded))
 
 
 def _in_optimizer_order(params: list, optimizer, saved) -> list:
@@ -364,3 +369,18 @@ def _my_rows_of_state(param, state: dict | None) -> dict | None:
     return {k: flat.my_rows(j, v).clone() if isinstance(v, torch.Tensor)
             and v.shape == flat.shapes[j] and k != "step" else
             (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
+def load_rows_into(optimizer, state_dict: dict) -> None:
+    """``optimizer.load_state_dict`` of a state dict holding this rank's rows (plain tensors),
+    then each per-element state of a DTensor parameter made a DTensor like it (as torch's
+    optimizers create it: ``zeros_like(p)``; ``step`` stays plain)."""
+    optimizer.load_state_dict(state_dict)
+    for p, state in optimizer.state.items():
+        flat, j = getattr(p, "_minishard_slot", (None, None))
+        if flat is None or flat.spec is None:
+            continue
+        for k, v in state.items():
+            if k != "step" and type(v) is torch.Tensor and v.shape == flat.locals[j].shape:
+                state[k] = flat.as_user(j, v)
+

@@ -2,10 +2,10 @@
 say what to do. Each is set up once, when the engine wraps a model; none costs a step anything.
 
 1. **A state dict of shards** (:func:`guard_parameters`): at stages 1-3 the module's parameters
-   hold this rank's rows, so ``model.module.state_dict()`` would hold pieces under the full
-   names: ``if rank == 0: torch.save(model.module.state_dict(), f)`` would write a file that
-   loads wrong. It raises instead, on whichever rank calls it (no collective: nothing hangs).
-   ``load_state_dict`` of a FULL state dict works: each rank keeps its rows of each tensor.
+   are DTensors (dtensors.py), so ``model.module.state_dict()`` holds DTensors, as FSDP2's
+   does: no collective (nothing hangs), and a file of them cannot load into a plain model as if
+   it were whole (``copy_`` refuses a DTensor). ``load_state_dict`` takes DTensors, or FULL
+   plain tensors: each rank keeps its rows of each.
 2. **A parameter used outside its unit's compute** (:func:`guard_parameters`): its gradient would
    reach the user parameter directly, unaveraged (and at stages 1-3 it is only this rank's
    rows), so ranks would drift apart. Autograd accumulating into it raises instead. At stage
@@ -65,37 +65,23 @@ def guard_parameters(units, module: torch.nn.Module, stand_ins: bool) -> None:
                 param.stand_in._minishard_name = param.name
                 param.stand_in._minishard_unit = unit.name
             p._minishard_slot = (flat, param.index)  # for the load hook; marks it as ours
-            p._minishard_sharded = flat.mode != "none" and flat.world > 1
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_refuse_direct_use(param.name, unit.name))
     for m in module.modules():
-        m.register_state_dict_pre_hook(_refuse_sharded_state_dict)
         m.register_load_state_dict_pre_hook(_keep_my_rows)
     _checked_optimizers.clear()  # an optimizer that stepped before this wrap: check it again
 
 
-def _refuse_sharded_state_dict(module, prefix, keep_vars) -> None:
-    sharded = [prefix + a for a, p in module._parameters.items()
-               if getattr(p, "_minishard_sharded", False)]
-    if sharded:
-        raise RuntimeError(
-            f"state_dict(): {sharded[0]!r} holds only this rank's rows (minishard.ZeRO shards "
-            "parameters along dim 0 at stages 1-3), so this state dict would not be the model. "
-            "Save with `sd = model.full_state_dict(rank0_only=True)` on EVERY rank (it gathers), "
-            "then `if rank == 0: torch.save(sd, f)`; or read full tensors inside `with "
-            "model.gathered(): sd = model.module.state_dict()`; or checkpoint with "
-            "minishard.save_checkpoint.")
-
-
 def _keep_my_rows(module, state_dict, prefix, *args) -> None:
-    """``load_state_dict`` of full tensors: each rank keeps its rows of each parameter."""
+    """``load_state_dict`` of full plain tensors: each rank keeps its rows of each parameter
+    (a DTensor at stages 1-3, as the parameter is)."""
     for attr, p in module._parameters.items():
         slot, key = getattr(p, "_minishard_slot", None), prefix + attr
         if slot is not None and key in state_dict:
             flat, j = slot
             value = state_dict[key]
-            if isinstance(value, torch.Tensor) and value.shape == flat.shapes[j]:
-                state_dict[key] = flat.my_rows(j, value)
+            if type(value) is torch.Tensor and value.shape == flat.shapes[j]:
+                state_dict[key] = flat.as_user(j, flat.my_rows(j, value).to(p.dtype))
 
 
 def _refuse_direct_use(name: str, unit: str):

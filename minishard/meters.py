@@ -42,6 +42,7 @@ import time
 import torch
 
 from minishard import comm, config
+from minishard.dtensors import local
 from minishard.flat import FlatMode
 from minishard.gathers import MAX_GATHERS_IN_FLIGHT
 from minishard.reductions import MAX_REDUCTIONS_IN_FLIGHT
@@ -152,7 +153,7 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
     for unit in units:
         for f in unit.flats:
             params += f.held_bytes()
-            for g in [f.full.grad] + [p.grad for p in f.params]:
+            for g in [f.full.grad] + [local(p.grad) for p in f.params]:
                 if g is not None:
                     grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
     opt = 0
@@ -160,7 +161,7 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
         mine = {id(p) for unit in units for p in unit.shards()}
         for p, state in optimizer.state.items():
             if id(p) in mine:
-                opt += sum(v.numel() * v.element_size() for v in state.values()
+                opt += sum(local(v).numel() * v.element_size() for v in state.values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0)
     report = {"params": params, "grads": sum(grads.values()), "optimizer": opt,
               "peak_gathered_params": meters.peak_gathered_bytes,

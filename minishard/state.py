@@ -56,8 +56,9 @@ from minishard.checkpoint_files import (DCP_DIGESTS, DCP_METADATA, FORMAT_VERSIO
 from minishard.dcp_checkpoint import (init_optimizer_state, is_dcp_checkpoint, read_dcp,
                                       save_dcp)
 from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
-                                  hyperparameters, load_full_optimizer_state_dict, named_params,
-                                  original_parameter_names, split_state, torch_optimizer_state)
+                                  hyperparameters, load_full_optimizer_state_dict,
+                                  load_rows_into, named_params, original_parameter_names,
+                                  split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
@@ -171,7 +172,7 @@ def _held(param) -> tuple[int, int, torch.Tensor]:
     """The rows [lo, hi) this rank's user parameter holds, and them as (rows, row numel)."""
     flat, j = param.flat, param.index
     lo, hi = flat.row_ranges[j]
-    return lo, hi, param.user.detach().reshape(hi - lo, flat.row_numels[j])
+    return lo, hi, param.rows.detach().reshape(hi - lo, flat.row_numels[j])
 
 
 def _rank_rows(model, optimizer, world: int, rank: int) -> dict:
@@ -181,7 +182,7 @@ def _rank_rows(model, optimizer, world: int, rank: int) -> dict:
     for name, param in named_params(model):
         lo, hi = saved_rows(param.flat.n_rows[param.index], world, rank)
         # .clone(): torch.save of a view would write its whole underlying storage
-        entry = {"rows": [lo, hi], "value": saved_piece(param, param.user, world, rank).clone()}
+        entry = {"rows": [lo, hi], "value": saved_piece(param, param.rows, world, rank).clone()}
         state = optimizer.state.get(param.user) if optimizer is not None else None
         if state:
             per_element, scalars = split_state(state, param.user)
@@ -301,7 +302,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
         masters, states = [], {}
         for name, param in named_params(model):
             values, state = _assemble(name, param, meta, reader)
-            masters.append((param.user, values))
+            masters.append((param, values))
             if state is not None:
                 states[id(param.user)] = state
         optim_sd = None if not optimizer else torch_optimizer_state(
@@ -321,15 +322,16 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
 
 
 def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None) -> None:
-    """Everything checked: now change the model. Writing a parameter bumps its version, so the
-    next forward would re-gather the full parameters anyway (flat.py: is_stale)."""
+    """Everything checked: now change the model. Each written shard is marked stale: the
+    next forward re-gathers its full parameters (flat.py: is_stale)."""
     with torch.no_grad():
-        for p, values in masters:
-            p.copy_(values.to(p.dtype).reshape(p.shape))
+        for param, values in masters:
+            param.rows.copy_(values.to(param.rows.dtype).reshape(param.rows.shape))
+            param.flat.mark_stale()
         for name, buf in buffer_state(model.module).items():  # keys checked by the reader
             buf.copy_(buffers[name])
     if optimizer is not None:
-        optimizer.load_state_dict(optim_sd)
+        load_rows_into(optimizer, optim_sd)
     model.refresh_full_params()  # stages 0-2 re-gather, one unit at a time; stage 3 when it runs
 
 
@@ -356,7 +358,7 @@ def _assemble(name: str, param, meta: dict, files: _ShardFiles):
     """This rank's rows [lo, hi) of one parameter, cut out of the old ranks' files that overlap
     them: (values, optimizer state shaped like the user parameter, or None)."""
     lo, hi, held = _held(param)
-    shape = param.user.shape
+    shape = param.rows.shape
     rows = next(p["rows"] for p in meta["params"] if p["name"] == name)
     sources = [r for r, (a, b) in enumerate(rows) if a < hi and lo < b]
     # An empty shard (more ranks than rows) has no rows to read but still needs the scalar

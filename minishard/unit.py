@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from minishard.dtensors import local
 from minishard.flat import FlatBuffer, FlatMode
 
 __all__ = ["Place", "Param", "Unit", "is_inside"]
@@ -52,6 +53,11 @@ class Param:
     def user(self) -> torch.nn.Parameter:
         """The module's own parameter object: this rank's rows of it (all of it at stage 0)."""
         return self.flat.params[self.index]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """This rank's rows of it, a plain tensor (the user parameter's local tensor)."""
+        return self.flat.locals[self.index]
 
     @property
     def name(self) -> str:
@@ -94,8 +100,11 @@ class Unit:
         """What the optimizer steps: the user parameters, in buffer order."""
         return [p for flat in self.flats for p in flat.params]
 
-    def shard_grads(self) -> list[torch.Tensor]:
-        return [p.grad for p in self.shards() if p.grad is not None]
+    def shard_grads(self, owned: bool = False) -> list[torch.Tensor]:
+        """This rank's rows of every gradient, plain tensors; ``owned``: only those no other
+        rank of the shard group holds too (a replicated 0-dim one counts on rank 0 alone)."""
+        return [local(p.grad) for flat in self.flats for j, p in enumerate(flat.params)
+                if p.grad is not None and not (owned and j in flat.scalars and flat.rank)]
 
     def has_frozen(self) -> bool:
         return any(not flat.requires_grad for flat in self.flats)

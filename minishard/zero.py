@@ -132,14 +132,13 @@ class ZeRO(trace.Traced, nn.Module):
     ``device`` and ``param_init_fn`` (a module built on the meta device is materialised one
     module at a time: deferred_init.py).
 
-    ``model.named_parameters()`` are the module's own parameters (``module.`` prefixed, as
-    DDP's): whole at stage 0, this rank's rows at stages 1-3 (flat.py). Build the optimizer over
-    them, by name or ``p.dim()`` as for the unwrapped model (one built before wrapping holds the
-    same objects). While units compute they show views of the full parameters. A parameter
-    skipped inside a unit whose others got gradients gets zeros (one flat gradient per unit, as
-    FSDP1): make it a unit of its own; a unit no rank used keeps ``grad=None``.
-    ``requires_grad_(False)`` on any parameter or module freezes exactly that.
-    ``model.module.state_dict()`` of shards raises: use ``full_state_dict()`` or ``gathered()``.
+    ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
+    at stages 1-3 DTensors of this rank's rows (dtensors.py), as FSDP2's: build the optimizer
+    after wrapping, by name or ``p.dim()``; torch's ``clip_grad_norm_`` and ``get_state_dict(
+    model.module, opt)`` work on them. While units compute they show views of the full
+    parameters. A parameter skipped inside a unit whose others got gradients gets zeros (one
+    flat gradient per unit, as FSDP1): make it a unit of its own; a unit no rank used keeps
+    ``grad=None``. ``requires_grad_(False)`` on any parameter or module freezes exactly that.
     """
     __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
 
@@ -290,7 +289,7 @@ class ZeRO(trace.Traced, nn.Module):
         return self.module(*args, **kwargs)
 
     def param_groups(self) -> list[dict]:
-        """The ``param_groups=`` given when wrapping, over the user parameters (for old code)."""
+        """The ``param_groups=`` given when wrapping, over the user parameters."""
         return shard_param_groups(self.units, self._group_options)
 
     @contextlib.contextmanager
@@ -307,25 +306,26 @@ class ZeRO(trace.Traced, nn.Module):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of the WHOLE model by its global norm, as
-        ``torch.nn.utils.clip_grad_norm_`` does on the unsharded model; returns the total norm
-        before clipping.
+        """Clip the gradients of the WHOLE model by its global norm, as torch's does on the
+        unsharded model; returns the total norm before clipping.
 
         Each element counts once: a rank sums |g|^p over its shard gradients only (no padding;
-        a tied weight has one slot), then one all-reduce adds the ranks' sums (MAX for the
-        inf-norm). Stage 0 holds identical full gradients on every rank: no collective. With
-        replicas (a 2-D mesh) the sum runs over the shard group only: adding every replica's
-        would count each element R times.
+        a tied weight has one slot; a replicated 0-dim one on rank 0), then one all-reduce adds
+        the ranks' sums (MAX for the inf-norm). Stage 0 holds identical full gradients on every
+        rank: no collective. With replicas (a 2-D mesh) the sum runs over the shard group only:
+        adding every replica's would count each element R times. ``torch.nn.utils.
+        clip_grad_norm_(model.parameters(), ...)`` gives the same (DTensor runs its collective).
         """
         norm_type = float(norm_type)
         grads = [g for unit in self.units for g in unit.shard_grads()]
+        counted = [g for unit in self.units for g in unit.shard_grads(owned=True)]
         device = grads[0].device if grads else next(self.parameters(), torch.empty(0)).device
         if norm_type == float("inf"):
-            local = max((g.abs().max().double() for g in grads if g.numel()),
+            local = max((g.abs().max().double() for g in counted if g.numel()),
                         default=torch.zeros((), dtype=torch.float64, device=device))
             op = "max"
         else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in grads),
+            local = sum((g.double().abs().pow(norm_type).sum() for g in counted),
                         torch.zeros((), dtype=torch.float64, device=device))
             op = "sum"
         total = local.reshape(1).clone()

@@ -28,6 +28,7 @@ import minishard
 from minishard import comm
 from minishard.exercise import EXERCISES, STUBS, check, main
 from minishard.flat import FlatBuffer, reduce_grads
+from torch.distributed.tensor import DTensor
 from minishard.syncbn import SyncBatchNormFunction
 
 WORLDS = (2, 3, 4)
@@ -64,7 +65,7 @@ def layout_reference(shapes, world, rank):
     """FlatBuffer's own layout (its world and rank are the pool's: the same as given)."""
     flat = FlatBuffer([torch.zeros(s) for s in shapes], mode="own")
     assert (flat.world, flat.rank) == (world, rank)
-    return flat.row_ranges, flat.widths, flat.shard_numel
+    return flat.owned_rows, flat.widths, flat.shard_numel
 
 
 def reduce_reference(full_grad, numel, world, rank, reduce_scatter):
@@ -88,12 +89,13 @@ def clip_reference(grads, max_norm, all_reduce):
     """ZeRO.clip_grad_norm_ on an engine whose shard gradients are these."""
     numels = [_full_numel(g, i) for i, g in enumerate(grads)]
     model = minishard.ZeRO(nn.ModuleList([_Leaf(n) for n in numels]), stage=2, units={_Leaf})
-    shards = list(model.parameters())  # the user parameters: this rank's rows of each
+    shards = list(model.parameters())  # the user parameters: DTensors of this rank's rows
     for shard, g in zip(shards, grads):
-        shard.grad = g.clone()
+        shard.grad = DTensor.from_local(g.clone(), shard.device_mesh, shard.placements,
+                                        run_check=False, shape=shard.shape, stride=shard.stride())
     total = model.clip_grad_norm_(max_norm)
     for shard, g in zip(shards, grads):
-        g.copy_(shard.grad)
+        g.copy_(shard.grad.to_local())
     return total.double()
 
 
