@@ -9,6 +9,8 @@ features, each in its own file:
   zero.py            the ZeRO engine: the stage table, the four hooks, end of backward, public API
   unit.py            a unit: its flat buffers, its parameters' places; gather, show, release
   flat.py            FlatBuffer: a unit's parameters as views of one padded 1-D buffer; its shard
+  layout.py          Layout: which rows of which parameter sit where (no storage)
+  dtensors.py        the user parameters as DTensors of this rank's rows; DTensor's collectives
   reductions.py      gradient reductions: buckets, in-flight limit, find_unused's order and bitmap
   gathers.py         gathers beyond "just before it runs": order, prefetch, buckets, lazy re-gathers
   config.py          ZeRO's arguments in full: checks, mesh groups, mixed precision, param groups

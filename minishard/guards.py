@@ -22,6 +22,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
@@ -68,8 +69,22 @@ def guard_parameters(units, module: torch.nn.Module, stand_ins: bool) -> None:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_refuse_direct_use(param.name, unit.name))
     for m in module.modules():
+        m.register_state_dict_post_hook(_copy_my_rows)
         m.register_load_state_dict_pre_hook(_keep_my_rows)
     _checked_optimizers.clear()  # an optimizer that stepped before this wrap: check it again
+
+
+def _copy_my_rows(module, state_dict, prefix, local_metadata) -> None:
+    """``state_dict()`` at stages 1-3: each DTensor holds a COPY of this rank's rows. torch
+    builds a DTensor's wrapper with its local tensor's storage offset, and ``torch.save``
+    then fails on one that views the middle of a flat buffer (torch 2.13); a copy starts at
+    0, so ``if rank == 0: torch.save(model.module.state_dict(), f)`` writes DTensors, as
+    under FSDP2."""
+    for attr, p in module._parameters.items():
+        slot, key = getattr(p, "_minishard_slot", None), prefix + attr
+        value = state_dict.get(key)
+        if slot is not None and isinstance(value, DTensor) and value is not p:  # not keep_vars
+            state_dict[key] = slot[0].as_user(slot[1], value._local_tensor.clone())
 
 
 def _keep_my_rows(module, state_dict, prefix, *args) -> None:

@@ -294,7 +294,8 @@ def _refuse_params(params) -> None:
                              f"{tuple(p.shape)}: only dense (strided) parameters can be sent")
         if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
             raise ValueError(
-                "ShardedOptimizer: a DTensor parameter (FSDP2 / tensor parallel): it is already "
+                "ShardedOptimizer: a DTensor parameter (FSDP2, minishard.ZeRO at stages 1-3, "
+                "tensor parallel): it is already "
                 "sharded, and so is its optimizer state under a plain torch.optim optimizer: "
                 "use torch.optim directly.")
     if len({id(p) for p in tensors}) != len(tensors):
