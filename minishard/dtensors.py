@@ -19,7 +19,7 @@ whole parameter (an all-gather). An op on DTensors runs the collective its place
 the norm of a ``Shard(0)`` gradient is a partial sum on each rank, all-reduced before it is
 used, so ``clip_grad_norm_`` returns the true norm and scales every rank's rows by one factor.
 Inside the engine every collective runs on the local tensors through comm.py, as before; the
-ones DTensor runs for the user are watched by :class:`TorchCollectives` (in every ledger).
+ones DTensor runs for the user are counted by :func:`torch_collectives` (in every ledger).
 
 The price is DTensor's dispatch: each op on a parameter (an optimizer's step over many of them)
 goes through DTensor's Python layer first. ``foreach=True`` optimizers pay it once per group of
@@ -30,17 +30,19 @@ every rank's one-element chunk holds it (flat.py) and its gradient is averaged o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from minishard import comm, costs
 
-__all__ = ["Spec", "local", "mesh_of", "TorchCollectives"]
+__all__ = ["Spec", "local", "mesh_of", "torch_collectives"]
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -81,28 +83,40 @@ class Spec:
                                   shape=shape, stride=_contiguous_stride(shape))
 
 
-class TorchCollectives(TorchDispatchMode):
+# torch's functional collectives that DTensor calls -> (comm's op, is the input 1/N of it)
+_FUNCOL = {"all_reduce": ("all_reduce", False), "all_gather_single": ("all_gather", True),
+           "reduce_scatter_single": ("reduce_scatter", False)}
+
+
+@contextlib.contextmanager
+def torch_collectives():
     """Inside a ledger (costs.ledger opens it): the collectives torch runs on its own, on
     DTensors (``clip_grad_norm_``'s all-reduce of the partial norms, a ``full_tensor()``'s
-    all-gather), recorded as comm's entries, tagged ``torch <op>``. They run as functional
-    collectives (``torch.ops._c10d_functional``): this mode sees each op as it is issued."""
+    all-gather), recorded as comm's entries tagged ``torch <op>``. DTensor issues them through
+    ``torch.distributed._functional_collectives``, whose functions are wrapped for the block:
+    nothing else is slowed down (a dispatch mode would sit on every op of a timed step)."""
+    saved = {name: getattr(funcol, name) for name in _FUNCOL}
 
-    # functional op -> (comm's name, how many times the input the whole tensor is)
-    _OPS = {"all_reduce": ("all_reduce", False), "all_reduce_coalesced": ("all_reduce", False),
-            "all_gather_into_tensor": ("all_gather", True),
-            "reduce_scatter_tensor": ("reduce_scatter", False), "broadcast": ("broadcast", False)}
+    def counted(name, original):
+        op, gathered = _FUNCOL[name]
+        signature = inspect.signature(original)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if DTensor in types:  # let DTensor run the op; its collectives come back through here
-            return NotImplemented
-        if func.namespace == "_c10d_functional" and func._opname in self._OPS:
-            op, gathered = self._OPS[func._opname]
-            group = _resolve_process_group(args[-1])
+        def collective(tensor, *args, **kwargs):
+            group = signature.bind(tensor, *args, **kwargs).arguments["group"]
+            group = _resolve_process_group(funcol._resolve_group_name(group))
             n = comm.group_size(group)
-            for t in args[0] if isinstance(args[0], (list, tuple)) else [args[0]]:
-                comm.record(op, t.numel() * (n if gathered else 1), t.dtype, n, f"torch {op}",
-                            group=group)
-        return func(*args, **(kwargs or {}))
+            comm.record(op, tensor.numel() * (n if gathered else 1), tensor.dtype, n,
+                        f"torch {op}", group=group)
+            return original(tensor, *args, **kwargs)
+        return collective
+
+    for name, original in saved.items():
+        setattr(funcol, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in saved.items():
+            setattr(funcol, name, original)
 
 
-costs.WATCHERS.append(TorchCollectives)
+costs.WATCHERS.append(torch_collectives)

@@ -141,7 +141,8 @@ class FlatBuffer(Layout):
     # ------------------------------------------------------------------------------- layout
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, shaped like its shard, as views of the storage
-        that holds them (``_master`` in mode OWN, else full's layout): the user parameters."""
+        that holds them (``_master`` in mode OWN, else full's layout): the user parameters'
+        local tensors."""
         out = []
         for j, ((lo, hi), m) in enumerate(zip(self.row_ranges, self.row_numels)):
             n = (hi - lo) * m

@@ -51,7 +51,8 @@ class Param:
 
     @property
     def user(self) -> torch.nn.Parameter:
-        """The module's own parameter object: this rank's rows of it (all of it at stage 0)."""
+        """The parameter the user sees: a DTensor of this rank's rows at stages 1-3, the
+        module's own (whole) parameter at stage 0."""
         return self.flat.params[self.index]
 
     @property

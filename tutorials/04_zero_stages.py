@@ -95,7 +95,9 @@ def show_layouts(rank: int, world: int, say) -> None:
     k = sum(width[n] * per_row[n] for n in LAYOUT)
     model = minishard.ZeRO(Three(), stage=3)
     first_column = lambda p: p.detach()[(slice(None),) + (0,) * (p.dim() - 1)]  # noqa: E731
-    mine = {name: (tuple(p.shape), first_column(p).tolist())  # each row's value: its row number
+    # each parameter is a DTensor: the global shape, a placement, and this rank's rows (local)
+    mine = {name: ((tuple(p.to_local().shape), first_column(p.to_local()).tolist()),
+                   (type(p).__name__, tuple(p.shape), repr(p.placements[0])))
             for name, p in model.module.named_parameters()}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)  # rank 0 checks and prints every rank's
@@ -103,7 +105,8 @@ def show_layouts(rank: int, world: int, say) -> None:
         assert list(got) == list(LAYOUT), got  # the module's own names, in order
         for name, shape in LAYOUT.items():     # this rank's rows, with the original ndim
             rows = chunks[r][name]
-            assert got[name] == ((len(rows), *shape[1:]), [float(i) for i in rows]), (r, got)
+            assert got[name][0] == ((len(rows), *shape[1:]), [float(i) for i in rows]), (r, got)
+            assert got[name][1] == ("DTensor", shape, "Shard(dim=0)"), (r, got)
     with minishard.ledger() as led:
         model(torch.ones(1))                   # stage 3: one all-gather of the unit
     assert led.total_bytes("all_gather") == 4 * k * (world - 1), led.table()
@@ -119,8 +122,13 @@ def show_layouts(rank: int, world: int, say) -> None:
         parts = [" ".join([f"{n}{i}" for i in chunks[r][n] for _ in range(per_row[n])]
                           + ["_"] * ((width[n] - len(chunks[r][n])) * per_row[n]))
                  for n in LAYOUT]
-        shapes = ", ".join(f"{n} {everyone[r][n][0]}" for n in LAYOUT)
-        say(f"    rank {r}: [{' | '.join(parts)}]   its parameters: {shapes}")
+        shapes = ", ".join(f"{n} {everyone[r][n][0][0]}" for n in LAYOUT)
+        say(f"    rank {r}: [{' | '.join(parts)}]   local rows: {shapes}")
+    say("  Each parameter is a DTensor, as in FSDP2: " + ", ".join(
+        f"{n}: shape {everyone[0][n][1][1]} {everyone[0][n][1][2]}" for n in LAYOUT) +
+        ";\n  p.to_local() is this rank's rows (a view into the shard), p.full_tensor() all of "
+        "them (an all-gather).\n  So torch's clip_grad_norm_, get_state_dict and DCP see a "
+        "shard and run the collective it needs.")
     say(f"  Padded: {world * len(old[0])} elements cut as a concatenation, {world * k} cut per "
         f"parameter (up to N-1 rows each);\n  an all-gather of the unit sends "
         f"{4 * k * (world - 1)} bytes per rank (asserted), then copies each parameter's rows "

@@ -15,8 +15,9 @@ Everything a real loop needs, each piece with the reason it is there:
     rank has). It saves the reduce-scatters of M-1 micro-batches and pays with the full gradients
     of the WHOLE model held until the last one, the very memory stage 3 exists to save. Part 1
     measures both ways (ledger bytes, memory_report peaks), asserts them, and gives the rule;
-  * clipping by the GLOBAL gradient norm, over every rank's shard (model.clip_grad_norm_, not
-    torch.nn.utils.clip_grad_norm_, which would only see this rank's shard);
+  * clipping by the GLOBAL gradient norm, over every rank's shard: model.clip_grad_norm_ (one
+    all-reduce); torch.nn.utils.clip_grad_norm_(model.parameters()) gives the same, its
+    DTensor gradients running that all-reduce themselves;
   * a checkpoint: one file per rank plus meta.pt written last (atomic), reloadable at another
     world size. The first half of the ranks train, save, and carry on to make a reference; then
     ALL ranks load the checkpoint (resharded to the new world size) and must reach the same
@@ -119,7 +120,7 @@ def accumulation_costs(rank: int, world: int, say) -> None:
         costs[way] = {"gather": [led.total_bytes("all_gather") for led in ledgers],
                       "reduce": [led.total_bytes("reduce_scatter") for led in ledgers],
                       "full grads": peak_full_grads, "gathered": peak_gathered}
-        grads[way] = [p.grad.clone() for p in model.parameters()]
+        grads[way] = [p.grad.to_local().clone() for p in model.parameters()]  # this rank's rows
 
     # The oracle for the bytes, from the unwrapped model's shapes alone. Each parameter is cut
     # along dim 0 into N chunks of ceil(R/N) rows, so its rows are padded to a multiple of N

@@ -98,7 +98,7 @@ with m.no_sync():
     FSDP1      with m.no_sync():  (SHARD_GRAD_OP then keeps the parameters gathered, as stage 2)
     FSDP2      m.set_requires_gradient_sync(False) ... (True)  (reshards: 3 passes, above; not with set_reshard_after_backward(False))
     DeepSpeed  engine.no_sync() at stages 0-1 only; "gradient_accumulation_steps": k at any
-m.clip_grad_norm_(max_norm)
+m.clip_grad_norm_(max_norm), or torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
     FSDP1      m.clip_grad_norm_(max_norm)
     FSDP2      torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)  (DTensor grads)
     DeepSpeed  "gradient_clipping": max_norm
@@ -118,7 +118,12 @@ mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     FSDP1      ShardingStrategy.HYBRID_SHARD (stage 3), _HYBRID_SHARD_ZERO2 (stage 2); none for 1
     FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP; stages 2-3)
     DeepSpeed  "zero_optimization": {"stage": 3, "mics_shard_size": S}  (MiCS; hpZ is not this)
-AdamW(groups over m.named_parameters() as usual, e.g. decay where p.dim() >= 2)  (after wrapping)
+AdamW(groups over m.named_parameters() as usual, e.g. decay where p.dim() >= 2)  (after wrapping:
+        stages 1-3 give DTensor parameters, Shard(0) of this rank's rows, as FSDP2)
+get_state_dict(m.module, opt) / set_state_dict(m.module, opt, ...), then dcp.save / dcp.load
+    FSDP1      get_state_dict(m, opt)
+    FSDP2      get_state_dict(m, opt)  (m is the module: fully_shard wraps nothing)
+    DeepSpeed  engine.save_checkpoint(dir) / engine.load_checkpoint(dir)
     FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
     FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
     DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)
