@@ -13,9 +13,10 @@ say what to do. Each is set up once, when the engine wraps a model; none costs a
    right shape and no storage: any use names the parameter and its unit, instead of computing
    with this rank's rows (or torch's opaque shape error).
 3. **An optimizer built before wrapping** (:func:`refuse_orphaned_params`, a global optimizer
-   step pre-hook): the module keeps its parameter objects, so such an optimizer trains; it is
-   refused only if it holds a parameter the engine had to replace (deferred init), or state
-   shaped for the full parameters (stepped before wrapping).
+   step pre-hook): at stages 1-3 every parameter is replaced by a DTensor (as FSDP2 does), so
+   such an optimizer is refused at its first step; at stage 0 the module keeps its objects and
+   it trains, unless it holds one the engine had to replace (deferred init) or state shaped for
+   the full parameters (it stepped before wrapping).
 """
 from __future__ import annotations
 
@@ -126,11 +127,11 @@ def refuse_orphaned_params(optimizer, args, kwargs) -> None:
             if getattr(p, "_minishard_replaced", False):
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds a parameter of the module as it was BEFORE "
-                    "minishard.ZeRO wrapped it, one ZeRO had to replace (it was on the meta "
-                    "device or another device), so this optimizer would update a tensor the model "
-                    "no longer uses. Build the "
-                    "optimizer AFTER wrapping, over the wrapper: "
-                    "opt = torch.optim.AdamW(zero_model.parameters(), ...)")
+                    "minishard.ZeRO wrapped it, one ZeRO replaced (at stages 1-3 every parameter "
+                    "becomes a DTensor of this rank's rows, as under FSDP2; at stage 0 one on "
+                    "the meta device or another device), so this optimizer would update a tensor "
+                    "the model no longer uses. Build the optimizer AFTER wrapping, over the "
+                    "wrapper: opt = torch.optim.AdamW(zero_model.parameters(), ...)")
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {}) if hasattr(p, "_minishard_slot") else {}
