@@ -111,7 +111,7 @@ def build(kind: str, blocks_per_unit: int = 1):
 
 
 # ----------------------------------------------------------------------------------- systems
-def systems(kind: str, world: int, blocks_per_unit: int = 1):
+def systems(kind: str, world: int, blocks_per_unit: int = 1, foreach: bool | None = None):
     """name -> (build() -> (model, optimizer), stock equivalent or None, bytes sent per step per
     rank for the stock systems: the ring formula of what they communicate; None = our ledger)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
@@ -124,7 +124,7 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
     psi = sum(p.numel() for p in base.parameters())
     ring = (world - 1) / world * 4 * psi
     fresh = lambda: copy.deepcopy(base)
-    adam = lambda m: torch.optim.Adam(m.parameters(), lr=1e-4)
+    adam = lambda m: torch.optim.Adam(m.parameters(), lr=1e-4, foreach=foreach)
     with_adam = lambda m: (m, adam(m))
 
     def fsdp1(strategy):
@@ -146,7 +146,7 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1):
 
     def ddp_zero_opt():
         m = DDP(fresh())
-        return m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4)
+        return m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4, foreach=foreach)
 
     table = {
         "floor": (lambda: with_adam(fresh()), None, 0),
@@ -248,6 +248,10 @@ def main() -> None:
     parser.add_argument("--systems", help="comma-separated names: run only these (and the floor)")
     parser.add_argument("--blocks-per-unit", type=int, default=1,
                         help="wrap / shard K consecutive blocks as one unit (granularity)")
+    parser.add_argument("--foreach", action="store_true",
+                        help="every system's Adam with foreach=True (torch's CPU default is a "
+                             "for-loop: one DTensor dispatch per op per parameter for FSDP2's "
+                             "and minishard's stages 1-3)")
     parser.add_argument("--phases", action="store_true",
                         help="also print each system's forward / backward / step times")
     parser.add_argument("--json", help="also write each system's median ms and ms blocked here "
@@ -257,7 +261,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    table = systems(args.model, world, args.blocks_per_unit)
+    table = systems(args.model, world, args.blocks_per_unit, True if args.foreach else None)
     if args.only:
         table = {args.only: table[args.only]}
     elif args.systems:
