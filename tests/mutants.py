@@ -183,6 +183,17 @@ MUTANTS = {
         [("minishard/dcp_checkpoint.py", "planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True)",
           "planner=DefaultSavePlanner()")],
         ["tests/test_dcp.py::test_dcp_round_trip_of_a_0_dim_parameter_with_and_without_optimizer"]),
+    "replicated_scalar_gradient_on_rank0_only": (
+        "a 0-dim parameter's gradient column is not copied to every rank before the "
+        "reduce-scatter: only rank 0 receives its average, the others step it with zero",
+        [("minishard/flat.py", "            out[:, o].copy_(out[0, o].expand(self.ranks))",
+          "            pass")],
+        ["tests/test_your_parameters.py::test_the_parameters_stay_the_users",
+         "tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
+    "torch_clip_unseen_by_the_ledger": (
+        "the ledger does not watch the collectives DTensor runs for torch's clip_grad_norm_",
+        [("minishard/dtensors.py", "costs.WATCHERS.append(torch_collectives)", "pass")],
+        ["tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
 }
 
 
