@@ -118,15 +118,14 @@ mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     FSDP1      ShardingStrategy.HYBRID_SHARD (stage 3), _HYBRID_SHARD_ZERO2 (stage 2); none for 1
     FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP; stages 2-3)
     DeepSpeed  "zero_optimization": {"stage": 3, "mics_shard_size": S}  (MiCS; hpZ is not this)
-AdamW(groups over m.named_parameters() as usual, e.g. decay where p.dim() >= 2)  (after wrapping:
-        stages 1-3 give DTensor parameters, Shard(0) of this rank's rows, as FSDP2)
+AdamW(groups over m.named_parameters(), e.g. decay where p.dim() >= 2)  (after wrapping: DTensors)
+    FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
+    FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
+    DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)
 get_state_dict(m.module, opt) / set_state_dict(m.module, opt, ...), then dcp.save / dcp.load
     FSDP1      get_state_dict(m, opt)
     FSDP2      get_state_dict(m, opt)  (m is the module: fully_shard wraps nothing)
     DeepSpeed  engine.save_checkpoint(dir) / engine.load_checkpoint(dir)
-    FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
-    FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
-    DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)
 find_unused_parameters=True  (stages 0-2)
     FSDP1      (none: every rank must use the same modules)
     FSDP2      (none: every rank must use the same modules)
