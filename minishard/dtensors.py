@@ -90,13 +90,21 @@ _FUNCOL = {"all_reduce": ("all_reduce", False), "all_gather_single": ("all_gathe
            "reduce_scatter_single": ("reduce_scatter", False)}
 
 
+_watching = [0]  # open torch_collectives blocks: only the outermost wraps (no double count)
+
+
 @contextlib.contextmanager
 def torch_collectives():
-    """Inside a ledger (costs.ledger opens it): the collectives torch runs on its own, on
-    DTensors (``clip_grad_norm_``'s all-reduce of the partial norms, a ``full_tensor()``'s
-    all-gather), recorded as comm's entries tagged ``torch <op>``. DTensor issues them through
-    ``torch.distributed._functional_collectives``, whose functions are wrapped for the block:
-    nothing else is slowed down (a dispatch mode would sit on every op of a timed step)."""
+    """Inside a ledger (costs.ledger opens it) and a trace (trace.py): the collectives torch
+    runs on its own, on DTensors (``clip_grad_norm_``'s all-reduce of the partial norms, a
+    ``full_tensor()``'s all-gather), recorded as comm's entries tagged ``torch <op>``. DTensor
+    issues them through ``torch.distributed._functional_collectives``, whose functions are
+    wrapped for the block: nothing else is slowed down (a dispatch mode would sit on every op
+    of a timed step). A trace shows each at the moment it is issued (torch waits on it later,
+    unseen)."""
+    if _watching[0]:
+        yield
+        return
     saved = {name: getattr(funcol, name) for name in _FUNCOL}
 
     def counted(name, original):
@@ -109,14 +117,18 @@ def torch_collectives():
             n = comm.group_size(group)
             comm.record(op, tensor.numel() * (n if gathered else 1), tensor.dtype, n,
                         f"torch {op}", group=group)
+            if comm._observer is not None:  # a trace: no work of ours to wait on
+                comm._observer.started([])
             return original(tensor, *args, **kwargs)
         return collective
 
     for name, original in saved.items():
         setattr(funcol, name, counted(name, original))
+    _watching[0] += 1
     try:
         yield
     finally:
+        _watching[0] -= 1
         for name, original in saved.items():
             setattr(funcol, name, original)
 

@@ -44,7 +44,7 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from minishard import comm
+from minishard import comm, dtensors
 
 __all__ = ["Traced", "Trace", "draw", "TRACKS"]
 
@@ -103,6 +103,7 @@ class Trace:
         comm.set_observer(self._recorder)  # refuses a second trace
         self._stack = stack = contextlib.ExitStack()
         stack.callback(comm.set_observer, None)
+        stack.enter_context(dtensors.torch_collectives())  # DTensor's, for torch's clip
         try:
             self._hook_in(stack)
         except BaseException:

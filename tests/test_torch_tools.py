@@ -238,3 +238,25 @@ def rank0_saves_module_state_dict(path, stage):
 def test_rank0_saving_the_module_state_dict_never_hangs_nor_loads_wrong(pools, tmp_path):
     path = str(tmp_path / "sd.pt")
     assert all(err is not None for err in pools(2).run(rank0_saves_module_state_dict, path, 3))
+
+
+def traced_clip(path):
+    """torch's clip inside model.trace() and a ledger: its all-reduce in both, counted once."""
+    import json
+    model = ZeRO(Scaled().double(), stage=3, units=(Block, Gate))
+    x, y = global_batch(0)
+    with model.trace(path):
+        ((model(x) - y) ** 2).mean().backward()
+        with comm.ledger() as outer, comm.ledger() as inner:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    names = [e["name"] for e in json.load(open(path))["traceEvents"]] if ws_rank()[1] == 0 \
+        else None
+    return [e.tag for e in outer.entries], [e.tag for e in inner.entries], names
+
+
+def test_dtensor_collectives_are_in_the_ledger_and_the_trace(pools, tmp_path):
+    path = str(tmp_path / "trace.json")
+    for r, (outer, inner, names) in enumerate(pools(2).run(traced_clip, path)):
+        assert outer == inner == ["torch all_reduce"], (outer, inner)
+        if r == 0:
+            assert any("torch all_reduce" in n for n in names), names
