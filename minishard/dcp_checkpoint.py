@@ -97,10 +97,10 @@ def _as_dtensor(rows: torch.Tensor, shape: torch.Size, mesh: DeviceMesh) -> DTen
 
 def _saved(param, held: torch.Tensor, mesh: DeviceMesh, world: int, rank: int):
     """What this rank writes of ``held`` (its rows of one parameter, or of state shaped like it):
-    its chunk, cut out of whatever it holds; a 0-dim tensor whole, from the rank holding it."""
+    its chunk, cut out of whatever it holds; a 0-dim tensor whole (every rank holds it)."""
+    if len(param.shape) == 0:  # cannot be cut: replicated (flat.py), every rank saves it
+        return held.detach().reshape(()).clone()
     rows = saved_piece(param, held, world, rank)
-    if len(param.shape) == 0:  # cannot be cut; rank 0 holds it, and dedup keeps rank 0's copy
-        return rows.reshape(()).clone() if len(rows) else torch.zeros((), dtype=held.dtype)
     # .clone(): a fresh tensor of just these rows, not a view into the flat buffer
     return _as_dtensor(rows.reshape(len(rows), *param.shape[1:]).clone(), param.shape, mesh)
 

@@ -177,12 +177,6 @@ MUTANTS = {
           "        loaded.append((saved, states))",
           "        loaded.append((hyperparameters(group), states))")],
         ["tests/test_dcp.py::test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size"]),
-    "dcp_scalars_from_any_rank": (
-        "DCP dedups a value every rank saves (a 0-dim parameter, Adam's step) to ANY rank, "
-        "not the lowest, which alone holds a 0-dim parameter at stages 1-3",
-        [("minishard/dcp_checkpoint.py", "planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True)",
-          "planner=DefaultSavePlanner()")],
-        ["tests/test_dcp.py::test_dcp_round_trip_of_a_0_dim_parameter_with_and_without_optimizer"]),
     "replicated_scalar_gradient_on_rank0_only": (
         "a 0-dim parameter's gradient column is not copied to every rank before the "
         "reduce-scatter: only rank 0 receives its average, the others step it with zero",
