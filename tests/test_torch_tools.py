@@ -3,8 +3,8 @@
 The oracles, unmodified:
   * One process on the global batch: torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the
     plain model, then an SGD step. The wrapped model, at any stage and world size 1-4 (3 and 4:
-    uneven rows and empty shards), with a tied weight, a frozen parameter and a 0-dim one,
-    calls the SAME torch function on ``model.parameters()``: its return value is the true
+    uneven rows and empty shards), with a tied weight, a frozen parameter and a 0-dim one, with
+    or without prefetch, buckets or no_sync accumulation, and on a 2x2 mesh, calls the SAME torch function on ``model.parameters()``: its return value is the true
     norm, and the parameters after the step are one process's.
   * FSDP2, through torch's state-dict API and DCP (test_dcp.py's helpers): what minishard
     saves with ``get_state_dict(model.module, opt)`` + ``dcp.save``, FSDP2 loads at another
@@ -40,16 +40,29 @@ class Scaled(Net):
         return super().forward(x) * self.temperature
 
 
+def weights(state_dict):
+    """The parameters of a state dict (the blocks' call counters count micro-batches)."""
+    return {k: v for k, v in state_dict.items() if not k.endswith("calls")}
+
+
 def plain(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def step_with(model, clip, world=1, rank=0):
-    """One SGD step on the global batch (this rank's slice), gradients clipped by ``clip``."""
+def step_with(model, clip, world=1, rank=0, no_sync=None):
+    """One SGD step on the global batch (this rank's slice), gradients clipped by ``clip``;
+    with ``no_sync`` (the wrapper's), in two micro-batches, the first accumulated locally."""
     x, y = global_batch(0)
     n = GLOBAL_BATCH // world
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    ((model(x[rank * n:(rank + 1) * n]) - y[rank * n:(rank + 1) * n]) ** 2).mean().backward()
+    xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    if no_sync is None:
+        ((model(xs) - ys) ** 2).mean().backward()
+    else:  # the slice's mean, as two sums over its halves
+        h = n // 2
+        with no_sync():
+            (((model(xs[:h]) - ys[:h]) ** 2).sum() / ys.numel()).backward()
+        (((model(xs[h:]) - ys[h:]) ** 2).sum() / ys.numel()).backward()
     out = clip(model.parameters())
     opt.step()
     return out
@@ -65,40 +78,46 @@ def one_process(kind, value, norm_type):
     torch.manual_seed(0)
     net = Scaled().double()
     out = step_with(net, clip_fn(kind, value, norm_type))
-    return (None if out is None else float(out)), net.state_dict()
+    return (None if out is None else float(out)), weights(net.state_dict())
 
 
-def wrapped(stage, kind, value, norm_type, hybrid=False, prefetch=False):
+def wrapped(stage, kind, value, norm_type, hybrid=False, prefetch=False, bucket_bytes=0,
+            no_sync=False):
     world, rank = ws_rank()
     torch.manual_seed(0)
     mesh = None
     if hybrid:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (2, world // 2))
-    model = ZeRO(Scaled().double(), stage=stage, units=(Block, Gate), mesh=mesh,
-                 prefetch=prefetch)
+    model = ZeRO(Scaled().double(), stage=stage, units=(Block, Gate), mesh=mesh, prefetch=prefetch,
+                 bucket_bytes=bucket_bytes if stage >= 2 else 0)
     with comm.ledger() as led:
-        out = step_with(model, clip_fn(kind, value, norm_type), world, rank)
+        out = step_with(model, clip_fn(kind, value, norm_type), world, rank,
+                        model.no_sync if no_sync else None)
     seen = [e.tag for e in led.entries if e.tag.startswith("torch ")]
-    return (None if out is None else float(plain(out))), model.full_state_dict(), seen
+    return (None if out is None else float(plain(out))), weights(model.full_state_dict()), seen
 
 
 @settings(max_examples=12)
 @given(world=st.integers(1, 4), stage=st.integers(0, 3), kind=st.sampled_from(["norm", "value"]),
        norm_type=st.sampled_from([1.0, 2.0, math.inf]), value=st.sampled_from([1e-3, 0.05, 1e3]),
-       prefetch=st.booleans())
-@example(world=3, stage=3, kind="norm", norm_type=2.0, value=0.05, prefetch=False)
-@example(world=3, stage=1, kind="norm", norm_type=math.inf, value=1e-3, prefetch=True)
-@example(world=2, stage=2, kind="value", norm_type=2.0, value=1e-3, prefetch=False)
+       prefetch=st.booleans(), bucket_bytes=st.sampled_from([0, 4096]), no_sync=st.booleans())
+@example(world=3, stage=3, kind="norm", norm_type=2.0, value=0.05, prefetch=False,
+         bucket_bytes=4096, no_sync=True)
+@example(world=3, stage=1, kind="norm", norm_type=math.inf, value=1e-3, prefetch=True,
+         bucket_bytes=0, no_sync=False)
+@example(world=2, stage=2, kind="value", norm_type=2.0, value=1e-3, prefetch=False,
+         bucket_bytes=4096, no_sync=True)
 def test_torch_clip_on_model_parameters_equals_one_process(pools, world, stage, kind, norm_type,
-                                                           value, prefetch):
+                                                           value, prefetch, bucket_bytes,
+                                                           no_sync):
     # torch's inf-norm raises on a rank holding an empty shard (4 ranks: Gate's 3 rows), as
     # under FSDP2 (measured: the other ranks then wait in the all-reduce); model.clip_grad_norm_
     # handles it (the test below)
     assume(not (kind == "norm" and norm_type == math.inf and world == 4 and stage > 0))
     want_norm, want_sd = one_process(kind, value, norm_type)
     for norm, sd, seen in pools(world).run(wrapped, stage, kind, value, norm_type, False,
-                                           prefetch):
+                                           prefetch, bucket_bytes, no_sync):
         if want_norm is not None:
             assert norm == pytest.approx(want_norm, rel=1e-9)
         assert_same_state(sd, want_sd, **TIGHT)
@@ -132,7 +151,7 @@ def own_clip(stage, norm_type, max_norm):
     torch.manual_seed(0)
     model = ZeRO(Scaled().double(), stage=stage, units=(Block, Gate))
     out = step_with(model, lambda _: model.clip_grad_norm_(max_norm, norm_type), world, rank)
-    return float(out), model.full_state_dict()
+    return float(out), weights(model.full_state_dict())
 
 
 @pytest.mark.parametrize("stage", [1, 3])
