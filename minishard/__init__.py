@@ -7,7 +7,7 @@ features, each in its own file:
   costs.py           what a collective costs: the Ledger that counts its bytes, the alpha-beta model
   syncbn.py          SyncBatchNorm (autograd Function + module) and convert/revert helpers
   zero.py            the ZeRO engine: the stage table, the four hooks, end of backward, public API
-  unit.py            a unit: its flat buffers, its parameters' places; gather, show, release
+  unit.py            a unit: its flat buffers, its parameters' places; gather, to_(un)sharded, release
   flat.py            FlatBuffer: a unit's parameters as views of one padded 1-D buffer; its shard
   layout.py          Layout: which rows of which parameter sit where (no storage)
   dtensors.py        the user parameters as DTensors of this rank's rows; DTensor's collectives

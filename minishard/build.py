@@ -168,7 +168,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
                f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}")
         cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
-        flat = FlatBuffer(layout, groups.shard, mode=FlatMode(flat_mode).under_cast(cast),
+        flat = FlatBuffer(layout, groups.shard, mode=flat_mode.under_cast(cast),
                           param_dtype=compute, name=tag, replicate_group=groups.replicate,
                           device=deferred and deferred.device,
                           spec=None if flat_mode is FlatMode.NONE else Spec(mesh_of(groups,
@@ -183,7 +183,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
 
 def _adopt(unit: Unit, meter: WrapMeter) -> None:
     """The values are in the flat buffers: each original parameter now holds this rank's rows
-    (its old storage is freed), and every place holds it. One that cannot be kept (a meta
+    (its previous storage is freed), and every place holds it. One that cannot be kept (a meta
     tensor, another device) is replaced and marked, to catch an optimizer built over it. The
     module is marked wrapped here, when its parameters change: a wrap that fails before (a
     deferred initialiser that raises) leaves the model as it was, to wrap again."""
@@ -192,8 +192,8 @@ def _adopt(unit: Unit, meter: WrapMeter) -> None:
         params = list(unit.params(flat))
         originals = [p.places[0].module._parameters[p.places[0].attr] for p in params]
         meter.drop(storage_bytes(originals))
-        for old, new in zip(originals, flat.adopt(originals)):
-            if new is not old:
-                old._minishard_replaced = True
-                old.data = torch.empty(0, dtype=old.dtype, device=old.device)
-    unit.show_rest()
+        for original, new in zip(originals, flat.adopt(originals)):
+            if new is not original:
+                original._minishard_replaced = True
+                original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+    unit.to_sharded()

@@ -74,7 +74,7 @@ def saved_piece(param, held: torch.Tensor, world_size: int, rank: int) -> torch.
 
 def atomic_save(obj, final: str) -> tuple[int, bytes]:
     """``torch.save`` to a temporary name in the same directory, fsync, ``os.replace``: readers
-    see the old file or the whole new one, never half of it. Returns (byte size, sha256)."""
+    see the previous file or the whole new one, never half of it. Returns (byte size, sha256)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
@@ -154,11 +154,11 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     meta = read_checked(meta_file)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        old = (" (version 1 cut flat buffers, before parameters kept their names: load it with "
-               "the minishard that wrote it, export model.full_state_dict() and "
-               "full_optimizer_state_dict(), and load those here)") if found == 1 else ""
+        hint = (" (version 1 files cut flat buffers across parameters: load it with "
+                "the minishard that wrote it, export model.full_state_dict() and "
+                "full_optimizer_state_dict(), and load those here)") if found == 1 else ""
         raise CheckpointError(f"{meta_file} has format version {found!r}; this minishard reads "
-                              f"version {FORMAT_VERSION}{old}")
+                              f"version {FORMAT_VERSION}{hint}")
     world = meta["world_size"]
     names = [f["name"] for f in meta["files"]]
     expected = [shard_file_name(r, world) for r in range(world)]

@@ -35,7 +35,7 @@ __all__ = [
     "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS",
 ]
 
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+# The flat-tensor collectives: torch 2.13's names, else those of torch 2.4-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -373,10 +373,10 @@ def _all_gather_by_broadcasts(output, shard, group, n):
 
         rank r:  out[r] = shard;   broadcast(out[j], src=j)  for every j      (in place)
 
-    The ring's (N-1)/N·S bytes per rank, with no staging copy. Chosen by whole training steps
-    (bench/RESULTS.md): gloo runs a send on the calling thread, the one that computes, while a
-    broadcast runs on gloo's worker thread, so an exchange that is faster alone is slower in a
-    step."""
+    The ring's (N-1)/N·S bytes per rank, with no staging copy. gloo runs a send on the calling
+    thread, the one that computes, while a broadcast runs on gloo's worker thread: so in a
+    training step broadcasts overlap the computation that a direct exchange would hold up
+    (whole steps compared: bench/RESULTS.md)."""
     k, r, out = shard.numel(), group_rank(group), output.view(-1)
     mine = out[r * k:(r + 1) * k]
     if mine.data_ptr() != shard.data_ptr():  # not already in place

@@ -6,9 +6,9 @@ units
     ``None`` (the whole module is one unit), a module class or a collection of classes (every
     matching submodule is its own unit), or a predicate ``fn(module) -> bool``. A parameter
     belongs to the innermost unit that contains every module using it (build.py). Each unit is
-    one collective per gather and per reduction: on gloo over loopback a collective costs about
-    0.8 ms of CPU per call on top of its bytes, so there units of several MiB train faster than
-    many small ones (bench/RESULTS.md, "Where stage 3's time goes").
+    one collective per gather and per reduction: on gloo a collective costs a fixed amount of CPU
+    per call on top of its bytes, so there units of several MiB train faster than many small
+    ones (measured: bench/RESULTS.md, "Where stage 3's time goes").
 process_group / mesh
     The ranks to shard over (default: all), or a ``DeviceMesh``. 1-D: the same as its process
     group. 2-D, dims (replicate, shard) as in FSDP2 (:func:`resolve_groups`): hybrid sharding.
@@ -23,13 +23,12 @@ prefetch
     Issue the next unit's all-gather asynchronously while this one computes (gathers.py).
 bucket_bytes
     Stages 2-3: move consecutive units together, up to about this many bytes per collective
-    (zero.py, [Note: buckets]). 0 (the default): one collective per unit.
+    ([Note: buckets] below). 0 (the default): one collective per unit.
 param_groups
-    Kept for code written before the parameters kept their names: optimizer groups over the
-    module's parameters (``[{"params": [...], "weight_decay": 0.0}, ...]``);
-    ``model.param_groups()`` returns them. Today build the groups after wrapping, from
-    ``model.named_parameters()``, as for the unwrapped model. Parameters not listed form a
-    last group with no options.
+    Optimizer groups over the module's parameters before wrapping (``[{"params": [...],
+    "weight_decay": 0.0}, ...]``); ``model.param_groups()`` returns them over the user
+    parameters. Simpler: build the groups after wrapping, from ``model.named_parameters()``, as
+    for the unwrapped model. Parameters not listed form a last group with no options.
 find_unused_parameters
     Stages 0-2: allow a unit to get a gradient on SOME ranks only in a step (a data-dependent
     branch); reductions are then launched at the end of backward (reductions.py, [Note:
@@ -49,13 +48,23 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from minishard import comm
+from minishard.verdicts import ranks_range
 
 __all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "check_same_config",
            "param_group_index", "shard_param_groups", "cast_buffers", "cast_inputs",
            "BUCKET_BYTES"]
 
-# Stages 0-1 reductions and stages 1-2 re-gathers travel in collectives of about this many
-# bytes (zero.py, [Note: buckets]). Read where it is used, at the time it is used.
+# [Note: buckets] Several flat buffers in ONE collective pay one call's latency instead of
+# several, and hold their bytes a little longer. Four policies, each applied where named:
+# * stages 0-1 reductions (Reducer._schedule): every full gradient lives to the end of backward
+#   anyway, so ready ones leave together in collectives of about BUCKET_BYTES (as DDP's buckets);
+# * stages 2-3 reductions (the same place): each unit's at once, freeing full gradients early,
+#   at most MAX_REDUCTIONS_IN_FLIGHT unfinished; ``bucket_bytes`` coalesces up to that many;
+# * stage 3 gathers (Gatherer.gather): with ``bucket_bytes``, once the order is known, the units
+#   that run next join a unit's gather;
+# * stages 1-2 lazy re-gathers (Gatherer.refresh_stale): the stale buffers in forward order, in
+#   collectives of about BUCKET_BYTES, at most MAX_GATHERS_IN_FLIGHT unfinished.
+# Read where it is used, at the time it is used (tests change it).
 BUCKET_BYTES = 4 * 2**20
 
 
@@ -164,9 +173,7 @@ def check_same_config(module: nn.Module, stage: int, group) -> None:
     meta = sum(t.is_meta for t in params + list(module.buffers()))  # deferred init: a walk
     mine = torch.tensor([stage, sum(p.numel() for p in params), len(params), meta],
                         dtype=torch.float64)                  # of broadcasts on every rank
-    both = torch.cat([mine, -mine])
-    comm.all_reduce(both, "max", group, tag="ZeRO config check")
-    hi, lo = both[:4], -both[4:]
+    lo, hi = ranks_range(mine, group, tag="ZeRO config check")
     if not torch.equal(hi, lo):
         raise RuntimeError(
             f"ZeRO: ranks disagree on the configuration (stage, parameter count, number of "

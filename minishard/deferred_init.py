@@ -11,7 +11,7 @@ rank's shards; 0-2: the full buffers), as zeros. Then :func:`materialize` walks
                 (any storage it allocates starts as NaN too: _NaNStorage)
         rank 0: anything still NaN / untouched?  -> the verdict, broadcast: every rank raises
         broadcast each tensor from rank 0; each rank copies the part it keeps into its
-        shard (flat.write_param), keeps the buffers, frees the rest
+        shard (_write_param), keeps the buffers, frees the rest
 
 So no rank holds more than what its stage keeps + one module's full tensors (+ the buffers,
 which every rank keeps): at stage 3, the shards + at most the largest unit's full tensors,
@@ -139,11 +139,21 @@ def _materialize_module(name, module, slots, written, buffers, group, deferred, 
         comm.broadcast(value.data, 0, group, tag=f"init {name + '.' if name else ''}{attr}")
         if kind == "parameter":
             flat, j = slots[id(module), attr]
-            flat.write_param(j, value)
+            _write_param(flat, j, value)
             written.add((id(flat), j))
             meter.drop(storage_bytes([value]) if attr in targets else 0)
         else:
             module._buffers[attr] = buffers[id(t)] = value
+
+
+def _write_param(flat, j: int, value: torch.Tensor) -> None:
+    """Store parameter ``j``'s whole ``value`` (every rank has it) where this rank keeps it:
+    all of it into ``full`` while ``full`` is kept, and its rows into the shard. One parameter
+    at a time: no rank ever needs the whole flat buffer."""
+    with torch.no_grad():
+        if flat.is_gathered:
+            flat.param_in(flat.full.data, j).copy_(value.view(flat.shapes[j]))
+        flat.shard_views()[j].copy_(flat.my_rows(j, value.detach()))
 
 
 def _empty_like(t: torch.Tensor, device) -> torch.Tensor:

@@ -18,7 +18,7 @@ flat buffer (no copy), its *placement* says how the rows make the whole::
 whole parameter (an all-gather). An op on DTensors runs the collective its placements need:
 the norm of a ``Shard(0)`` gradient is a partial sum on each rank, all-reduced before it is
 used, so ``clip_grad_norm_`` returns the true norm and scales every rank's rows by one factor.
-Inside the engine every collective runs on the local tensors through comm.py, as before; the
+Inside the engine every collective runs on the local tensors through comm.py; the
 ones DTensor runs for the user are counted by :func:`torch_collectives` (in every ledger).
 
 The price is DTensor's dispatch: each op on a parameter (an optimizer's step over many of them)

@@ -20,12 +20,12 @@ one-element chunk holds it.
 ``full`` is the buffer the module computes with, parameter by parameter (each padded to N chunks)::
 
     full = [a0 a1 a2 _ | b0 b1 b2 _ | c0 c1 c2 c3 c4 _ ]        N * k = 18 elements
-    all-gather out = [rank 0's shard | rank 1's shard]  (N x k): copied out, parameter by
-    parameter: full's region of a, viewed as (N, 4), is the gathered columns of a.
+    all-gather out = [rank 0's shard | rank 1's shard]  (N x k); *copy-out* (one op): full's
+    region of a, viewed as (N, 4), is the gathered columns of a, and so on.
 
 The module's parameters are views of ``full`` while a unit computes, so autograd sums their
-gradients into ``full.grad`` in that layout; before the reduce-scatter it is copied into the
-rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
+gradients into ``full.grad`` in that layout; before the reduce-scatter, *copy-in* (one op)
+puts it in the rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
 parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
 unit; the price is one copy of the unit's bytes per gather and per reduction (none when a unit
 has one parameter, or N = 1). FSDP1 and DeepSpeed's stages 1-2 cut the concatenation instead
@@ -41,7 +41,7 @@ Where the tensors live is the buffer's :class:`FlatMode` (zero.py's stage table 
     mode      full                       the user parameters are views of
     NONE      always (stage 0, N = 1)    full (the whole parameters)
     VIEW      always (stages 1-2)        full: this rank's rows of each parameter's region
-    OWN       only while gathered (3)    ``_master``: k elements of their own
+    OWN       only while gathered (3)    ``shard``: k elements of their own
 
 ``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the
 ranks of one node, say) and that whole group is replicated R times. Gathers stay inside
@@ -51,14 +51,13 @@ as a 1/S-sized piece::
 
     per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
 
-``mixed precision`` (``param_dtype``): full is kept in the compute dtype and ``_master`` holds the
+``mixed precision`` (``param_dtype``): full is kept in the compute dtype and ``shard`` holds the
 fp32 values; gathers send them cast to ``param_dtype``. So a VIEW buffer becomes OWN under a
 cast, decided where it is built (:meth:`FlatMode.under_cast`).
 """
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 from torch import nn
@@ -67,14 +66,15 @@ from minishard import comm
 from minishard.dtensors import Spec, local
 from minishard.layout import Layout, rows_of
 
-__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "rows_of"]
+__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in", "copy_out",
+           "rows_of"]
 
 
-class FlatMode(str, enum.Enum):
+class FlatMode(enum.Enum):
     """Where a flat buffer's full tensor and shards live (the table in the module docstring)."""
-    NONE = "none"  # not sharded (stage 0): the parameters are views of full
-    VIEW = "view"  # full always kept; the shards are views of this rank's rows in it
-    OWN = "own"    # the shards own their storage (_master); full exists only while gathered
+    NONE = enum.auto()  # not sharded (stage 0): the parameters are views of full
+    VIEW = enum.auto()  # full always kept; the shards are views of this rank's rows in it
+    OWN = enum.auto()   # the shards own their storage (``shard``); full exists while gathered
 
     def under_cast(self, cast: bool) -> "FlatMode":
         """The mode to build when full holds another dtype than the master (mixed precision):
@@ -83,14 +83,14 @@ class FlatMode(str, enum.Enum):
 
 
 class FlatBuffer(Layout):
-    """The parameters ``params`` of one unit (one dtype, one requires_grad), their ``full``
-    buffer, this rank's shards of them, and the collectives between the two."""
+    """The parameters ``params`` of one unit (one dtype, one requires_grad): their ``full``
+    buffer and this rank's shard of them. The collectives between the two are the functions
+    below the class: :func:`gather_params` and :func:`reduce_grads`."""
 
-    def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode | str = "own",
+    def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode = FlatMode.OWN,
                  param_dtype: torch.dtype | None = None, name: str = "",
                  replicate_group=None, device: torch.device | None = None,
                  spec: Spec | None = None) -> None:
-        mode = FlatMode(mode)
         assert mode is not FlatMode.NONE or replicate_group is None, \
             "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
@@ -106,18 +106,21 @@ class FlatBuffer(Layout):
         self.requires_grad = first.requires_grad
         self.params: list[nn.Parameter] = []  # the user parameters: adopt()
         self.locals: list[torch.Tensor] = []  # their local tensors: this rank's rows, plain
+        self.pending: comm.Handle | None = None  # a gather into full not landed yet
 
         # Parameters on the meta device have no values yet (deferred init): what this rank
-        # keeps is laid out on ``device`` as zeros, and write_param() fills it in.
+        # keeps is laid out on ``device`` as zeros, and deferred_init.py fills it in.
         deferred = first.is_meta
         cast = self.param_dtype != self.dtype
         if mode.under_cast(cast) is not mode:
             raise ValueError(f"FlatBuffer {name!r}: a {mode.name} shard cannot hold the master "
                              f"dtype in a {self.param_dtype} full buffer; build the mode "
                              "FlatMode.under_cast() gives")
-        self._master = None          # the values the user parameters view, when not full's
+        # this rank's shard when it has storage of its own (mode OWN; at stage 0 under a cast,
+        # the whole fp32 parameters); None when the user parameters are views of full
+        self.shard: torch.Tensor | None = None
         if deferred and mode is FlatMode.OWN:  # only the shard, no full-size zeros
-            self._master = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+            self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
             values = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
             values.untyped_storage().resize_(0)  # allocated and freed at once, never touched
         else:
@@ -125,32 +128,30 @@ class FlatBuffer(Layout):
                 values = torch.zeros(self.padded_numel, dtype=self.dtype,
                                      device=device if deferred else first.device)
                 for j, p in enumerate([] if deferred else params):
-                    self._region(values, j)[:self.numels[j]].copy_(p.detach().reshape(-1))
+                    self.param_in(values, j).copy_(p.detach().view(self.shapes[j]))
                 for j in self.scalars:  # every rank's one-element chunk holds it
-                    region = self._region(values, j)
-                    region.copy_(region[0].expand_as(region))
-        if mode is FlatMode.OWN and self._master is None:
-            self._master = self._rows_of_rank(values, self._r)
+                    self.region(values, j)[1:] = self.region(values, j)[0]
+        if mode is FlatMode.OWN and self.shard is None:
+            self.shard = self.shard_of(values, self.chunk)
             values = values.to(self.param_dtype)
         elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
-            self._master, values = values, values.to(self.param_dtype)
+            self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
         self._gathered_version = 0
-        self._pending = None  # an async gather in flight
 
-    # ------------------------------------------------------------------------------- layout
+    # ----------------------------------------------------------------- the user parameters
     def shard_views(self) -> list[torch.Tensor]:
         """This rank's rows of each parameter, shaped like its shard, as views of the storage
-        that holds them (``_master`` in mode OWN, else full's layout): the user parameters'
+        that holds them (``shard`` in mode OWN, else full's layout): the user parameters'
         local tensors."""
+        source = self.full.data if self.shard is None else self.shard
         out = []
         for j, ((lo, hi), m) in enumerate(zip(self.row_ranges, self.row_numels)):
             n = (hi - lo) * m
             if self.mode is FlatMode.OWN:
-                piece = self._master[self.offsets[j]:self.offsets[j] + n]
+                piece = self.shard[self.offsets[j]:self.offsets[j] + n]
             else:  # this rank's chunk of the parameter's region (NONE: the whole of it)
-                source = self.full.data if self._master is None else self._master
-                piece = self._region(source, j).view(self.ranks, -1)[self._r][:n]
+                piece = self.region(source, j)[self.chunk][:n]
             out.append(piece.view(self.shard_shape(j)))
         return out
 
@@ -179,11 +180,26 @@ class FlatBuffer(Layout):
         the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""
         return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
 
-    def views(self, detached: bool = False) -> list[torch.Tensor]:
+    def sync_requires_grad(self) -> None:
+        """The user parameters' ``requires_grad`` is the truth: ``full`` needs a gradient when
+        any of them does."""
+        self.requires_grad = any(p.requires_grad for p in self.params)
+        self.full.requires_grad_(self.requires_grad)
+
+    def version(self) -> int:
+        """Changes whenever a user parameter is written in place (an optimizer step, a load)."""
+        return sum(p._version for p in self.params)
+
+    def mark_stale(self) -> None:
+        """A shard was written under the engine (a load): ``full`` must be gathered again."""
+        self._gathered_version = -1
+
+    # ----------------------------------------------------------------------- full's storage
+    def unsharded_views(self, detached: bool = False) -> list[torch.Tensor]:
         """The parameters as views of ``full`` (detached if frozen or ``detached``): ONE split
         into [p1, pad1, p2, ...], whose backward fills ``full.grad`` in one pass (a slice each
         would build a zero full-size gradient per parameter)."""
-        sizes = [size for n, w in zip(self.numels, self.widths) for size in (n, self.ranks * w - n)]
+        sizes = [size for n, w in zip(self.numels, self.widths) for size in (n, self.chunks * w - n)]
         out = []
         for j, (piece, shape) in enumerate(zip(torch.split(self.full, sizes)[::2], self.shapes)):
             frozen = self.params and not self.params[j].requires_grad
@@ -193,138 +209,53 @@ class FlatBuffer(Layout):
     def full_bytes(self) -> int:
         return self.padded_numel * self.full.element_size()
 
-    def sync_requires_grad(self) -> bool:
-        """The user parameters' ``requires_grad`` is the truth: ``full`` needs a gradient when
-        any of them does. Returns whether it changed."""
-        want = any(p.requires_grad for p in self.params)
-        changed = want != self.requires_grad
-        self.requires_grad = want
-        self.full.requires_grad_(want)
-        return changed
-
     def held_bytes(self) -> int:
-        """Bytes of storage this buffer holds now: ``full`` (if not freed) and ``_master``."""
+        """Bytes of storage this buffer holds now: ``full`` (if not freed) and ``shard``."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in (self.full, self._master) if t is not None}
+                    for t in (self.full, self.shard) if t is not None}
         return sum(storages.values())
-
-    def write_param(self, j: int, value: torch.Tensor) -> None:
-        """Store parameter ``j``'s whole ``value`` (every rank has it) where this rank keeps it:
-        all of it into ``full`` while ``full`` is kept, and its rows into the shard. Used by
-        deferred init, one parameter at a time: no rank ever needs the whole flat buffer."""
-        with torch.no_grad():
-            if self.is_gathered:
-                self._region(self.full.data, j)[:self.numels[j]].copy_(value.reshape(-1))
-            self.shard_views()[j].copy_(self.my_rows(j, value.detach()))
-
-    # ---------------------------------------------------------------------- full param storage
-    def version(self) -> int:
-        """Changes whenever a user parameter is written in place (an optimizer step, a load)."""
-        return sum(p._version for p in self.params)
 
     @property
     def is_gathered(self) -> bool:
         return self.full.untyped_storage().size() > 0
 
     @property
-    def is_stale(self) -> bool:
-        """True when a shard changed (an optimizer step) since ``full`` was last gathered."""
-        return self._needs_gather_to_show() and self.version() != self._gathered_version
-
-    def _needs_gather_to_show(self) -> bool:
-        return self.mode is not FlatMode.NONE or self._master is not None
-
-    @property
     def needs_gather(self) -> bool:
-        """``full`` is freed, or older than the shards: a gather must refresh it."""
-        return not self.is_gathered or self.is_stale
+        """Must a gather refresh ``full`` before the module reads it? Never when full IS the
+        parameters (stage 0 without a cast); else when it is freed, or older than the shards
+        (an optimizer step or a load wrote them since: their ``_version`` moved)."""
+        if self.mode is FlatMode.NONE and self.shard is None:
+            return False
+        return not self.is_gathered or self.version() != self._gathered_version
 
-    def gather(self, async_op: bool = False) -> None:
-        """All-gather every rank's shard into ``full`` (allocating it if it was freed)."""
-        if not self._needs_gather_to_show():
-            return
-        self._start_gather()
-        with torch.no_grad():
-            if self.mode is FlatMode.NONE:  # mixed precision without sharding: just cast
-                self.full.data.copy_(self._master)
-                return
-            if self._same_layout:  # this rank's row of full is its shard: gather in place
-                mine = self.full.data.view(self.ranks, -1)[self.rank]
-                if self._master is not None:
-                    mine.copy_(self._master)
-                self._pending = comm.all_gather(self.full.data, mine, self.group,
-                                                async_op=async_op, tag=self.name)
-                return
-            rows = self.full.new_empty(self.ranks, self.shard_numel)
-            self.write_send(rows[self.rank])
-            handle = comm.all_gather(rows, rows[self.rank], self.group, async_op=True,
-                                     tag=self.name)
-            self._pending = comm.Handle(then=lambda: (handle.wait(), self.land(rows)))
-        if not async_op:
-            self.wait()
-
-    def land(self, rows: torch.Tensor) -> None:
-        """Copy gathered shards (``rows``: N x k, rank-major) into ``full``, parameter by
-        parameter: parameter j's region of full, viewed (N, width_j), is rows' columns of j."""
-        with torch.no_grad():
-            full = self.full.data
-            if self._same_layout:
-                full.view(self.ranks, -1).copy_(rows)
-                return
-            for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
-                self._region(full, j).view(self.ranks, w).copy_(rows[:, o:o + w])
-
-    def _start_gather(self) -> None:
-        """Make room in ``full`` (if it was freed) and mark it as holding the current shards.
-        A gather still pending into this buffer lands first: an older gather landing after a
-        newer one would leave stale values marked current."""
+    def mark_current(self) -> None:
+        """``full`` holds the current shards, or will when the gather starting now lands: a
+        gather still pending into it lands first (an older one landing after a newer one would
+        leave stale values marked current), and its storage comes back if it was freed."""
         self.wait()
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.full_bytes())
         self._gathered_version = self.version()
 
-    def write_send(self, out: torch.Tensor) -> None:
-        """Write what this rank contributes to a gather into ``out`` (k elements, in the
-        compute dtype): its padded shard, from ``_master`` or from its rows of ``full``."""
-        if self._master is not None:
-            out.copy_(self._master)
-        else:
-            self._rows_of_rank(self.full.data, self.rank, out)
+    def send_pieces(self) -> list[torch.Tensor]:
+        """What this rank contributes to a gather (k elements, padded, in pieces): its own
+        ``shard``, or its row of each parameter's region of ``full``."""
+        if self.shard is not None:
+            return [self.shard]
+        return [region[self.chunk] for region in self.regions(self.full.data)]
 
     def wait(self) -> None:
-        """Finish an async :meth:`gather`."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        """Land the gather into ``full`` still in flight, if any."""
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = None
 
     def free(self) -> None:
         """Release ``full``'s storage (stage 3). Views saved by autograd keep pointing at the same
-        storage object, so the next :meth:`gather` refills them in place before backward."""
+        storage object, so the next gather refills them in place before backward."""
         self.wait()
         self.full.untyped_storage().resize_(0)
-
-    def push_to_shard(self) -> None:
-        """Copy this rank's rows of ``full`` into the shards (after someone edited ``full``)."""
-        with torch.no_grad():
-            if self._master is not None:  # VIEW and plain NONE shards ARE views of full
-                for j, rows in enumerate(self.locals):
-                    rows.copy_(self.my_rows(j, self._region(self.full.data, j)[:self.numels[j]]))
-        self._gathered_version = self.version()
-
-    def load_master(self, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
-        """Set the shards from the full ``values`` (one per parameter; each rank keeps its
-        rows). ``only_if_changed``: leave an equal shard (and its version: no re-gather)."""
-        with torch.no_grad():
-            for j, (rows, value) in enumerate(zip(self.locals, values)):
-                mine = self.my_rows(j, local(value)).to(self.dtype)
-                if not (only_if_changed and torch.equal(mine, rows)):
-                    rows.copy_(mine)
-                    self.mark_stale()
-
-    def mark_stale(self) -> None:
-        """A shard was written under the engine (a load): ``full`` must be gathered again."""
-        self._gathered_version = -1
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -336,17 +267,6 @@ class FlatBuffer(Layout):
             grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.full.device)
         self.full.grad = None
         return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
-
-    def rank_major(self, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy a full-layout ``grad`` into ``out`` (N x k): row r = what rank r receives."""
-        if self._same_layout:
-            out.copy_(grad.view(self.ranks, -1))
-            return
-        for j, (o, w) in enumerate(zip(self.offsets, self.widths)):
-            out[:, o:o + w].copy_(self._region(grad, j).view(self.ranks, w))
-        for j in self.scalars:  # replicated: every rank receives the average of the whole
-            o = self.offsets[j]
-            out[:, o].copy_(out[0, o].expand(self.ranks))
 
     def add_shard_grad(self, piece: torch.Tensor) -> None:
         """Accumulate this rank's reduced ``piece`` (k elements, or the whole buffer in mode
@@ -363,44 +283,67 @@ class FlatBuffer(Layout):
                 local(p.grad).add_(g)
 
 
-def gather_params(flats: list[FlatBuffer]) -> comm.Handle:
-    """Start ONE async all-gather that refreshes the full buffers of all ``flats`` (same group,
-    sharded, one compute dtype); any one flat's ``wait()`` (or the next gather into it) lands it
-    for all of them. Returns the shared handle.
+# ------------------------------------------------------------------------------- the bytes
+def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tensor) -> None:
+    """Full-layout gradients of ``flats`` into ``send`` (N x their k's, rank-major): row r is
+    what rank r receives. One op; then a replicated 0-dim parameter's column (its gradient sits
+    in rank 0's chunk, where the module's view is) is copied to every rank's row."""
+    columns = torch.split(send, [w for f in flats for w in f.widths], dim=1)
+    for cols, region in zip(columns, [r for f, g in zip(flats, grads) for r in f.regions(g)]):
+        cols.copy_(region)
+    start = 0
+    for flat in flats:
+        for j in flat.scalars:
+            send[1:, start + flat.offsets[j]] = send[0, start + flat.offsets[j]]
+        start += flat.shard_numel
 
-    The ranks' shards travel side by side through a staging buffer, and are copied out::
 
-        flat A (k=2), flat B (k=3):   send = [A's shard, B's shard]            (5 elements)
+def copy_out(flats: list[FlatBuffer], gathered: torch.Tensor) -> None:
+    """The gathered shards (N x the flats' k's, rank-major) into each flat's ``full``, one op:
+    parameter j's region of full, viewed (N, width_j), is gathered's columns of j."""
+    columns = torch.split(gathered, [w for f in flats for w in f.widths], dim=1)
+    for cols, region in zip(columns, [r for f in flats for r in f.regions(f.full.data)]):
+        region.copy_(cols)
+
+
+def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handle:
+    """All-gather the shards of ``flats`` (one unit's, or a bucket's: same group, one compute
+    dtype) into their ``full`` buffers in ONE collective. Returns the handle, also left in each
+    flat's ``pending``: any flat's ``wait()`` (or the next gather into it) lands them all::
+
+        flat A (k=2), flat B (k=3):   this rank's row of staging = [A's shard, B's shard]
         staging (N x 5) after the gather:  rank 0 [a0 a1 b0 b1 b2]
                                            rank 1 [a2 a3 b3 b4 b5]
-        A lands from staging[:, 0:2], B from staging[:, 2:5] (FlatBuffer.land)
+        A's full from staging[:, 0:2], B's from staging[:, 2:5]            (copy_out)
 
     One collective instead of one per buffer: on gloo, with ~1 MiB buffers, the per-call cost is
-    most of the time. The price is the staging buffer and one copy of the gathered bytes."""
-    if len(flats) == 1:
-        flats[0].gather(async_op=True)
-        return flats[0]._pending or comm.Handle()
-    first = flats[0]
+    most of the time; the price is the staging buffer and one copy of the gathered bytes. When
+    full and the shard share a layout (one parameter, or N = 1), full itself is the output: no
+    staging, no copy. At stage 0 under a cast there are no shards: the gather is the cast."""
+    first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
     with torch.no_grad():
         for flat in flats:
-            flat._start_gather()
-        n, r = first.world, first.rank
-        staging = first.full.new_empty(n, sum(f.shard_numel for f in flats))
-        for flat, mine in zip(flats, torch.split(staging[r], [f.shard_numel for f in flats])):
-            flat.write_send(mine)  # this rank's row, in place
-        handle = comm.all_gather(staging, staging[r], first.group, async_op=True,
-                                 tag="+".join(f.name for f in flats))
-
-    def land() -> None:
-        handle.wait()
-        pieces = torch.split(staging, [f.shard_numel for f in flats], dim=1)
-        for flat, piece in zip(flats, pieces):
-            flat.land(piece)
-
-    shared = comm.Handle(then=land)
+            flat.mark_current()
+        if first.mode is FlatMode.NONE:  # every rank holds all of it in fp32
+            for flat in flats:
+                flat.full.data.copy_(flat.shard)
+            return comm.Handle()
+        if len(flats) == 1 and first.same_layout:  # rank r's row of full is its shard
+            mine = first.full.data.view(first.chunks, -1)[rank]
+            if first.shard is not None:
+                mine.copy_(first.shard)
+            handle = comm.all_gather(first.full.data, mine, first.group, async_op=True, tag=tag)
+        else:
+            staging = first.full.new_empty(first.chunks, sum(f.shard_numel for f in flats))
+            torch.cat([piece for f in flats for piece in f.send_pieces()], out=staging[rank])
+            work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag)
+            handle = comm.Handle(then=lambda: (work.wait(), copy_out(flats, staging)))
     for flat in flats:
-        flat._pending = shared
-    return shared
+        flat.pending = handle
+    if not async_op:
+        for flat in flats:
+            flat.wait()
+    return handle
 
 
 def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:
@@ -411,7 +354,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
 
     Mode NONE (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
     after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
-    the buffers must sit side by side in the buffer we send (rank-major, FlatBuffer.rank_major)::
+    the buffers must sit side by side in the buffer we send (rank-major, :func:`copy_in`)::
 
         flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
         send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
@@ -427,14 +370,11 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
         handle = comm.all_reduce(send, "avg", first.group, async_op=True, tag=tag)
         out, sizes = send, [f.padded_numel for f in flats]
     else:
-        n = first.world
-        if len(flats) == 1 and first._same_layout:
+        if len(flats) == 1 and first.same_layout:
             send = grads[0]
         else:
-            send = grads[0].new_empty(n, sum(f.shard_numel for f in flats))
-            columns = torch.split(send, [f.shard_numel for f in flats], dim=1)
-            for flat, grad, cols in zip(flats, grads, columns):
-                flat.rank_major(grad, cols)
+            send = grads[0].new_empty(first.chunks, sum(f.shard_numel for f in flats))
+            copy_in(flats, grads, send)
         out = send.new_empty(sum(f.shard_numel for f in flats))
         handle = comm.reduce_scatter(out, send.reshape(-1), "avg", first.group, async_op=True,
                                      tag=tag)

@@ -65,7 +65,7 @@ def gather_full(flat, pieces: list[torch.Tensor], what: str = "state dict", keep
     if flat.mode is FlatMode.NONE:  # every rank already holds all of it
         return [t.detach().reshape(s).clone() for t, s in zip(pieces, flat.shapes)] \
             if keep else None
-    shape, dtype = (flat.ranks, flat.shard_numel), pieces[0].dtype
+    shape, dtype = (flat.chunks, flat.shard_numel), pieces[0].dtype
     rows = staging.get(shape, dtype) if staging else pieces[0].new_empty(shape)
     for o, t in zip(flat.offsets, pieces):  # padding is sent, never read
         rows[flat.rank, o:o + t.numel()] = t.detach().reshape(-1)
@@ -105,8 +105,8 @@ def gathered(units, writeback: bool, on_gather, put_back):
                 values = masters[id(flat)] = gather_full(flat, flat.params, "gathered()")
             else:
                 unit.gather_flat(flat, False, on_gather)
-                values = flat.views(detached=True)
-            unit.show(flat, [torch.nn.Parameter(v, requires_grad=p.requires_grad)
+                values = flat.unsharded_views(detached=True)
+            unit.set_places(flat, [torch.nn.Parameter(v, requires_grad=p.requires_grad)
                              for v, p in zip(values, flat.params)])
     try:
         with torch.no_grad():
@@ -115,10 +115,32 @@ def gathered(units, writeback: bool, on_gather, put_back):
         for unit in units:
             for flat in unit.flats:
                 if writeback and id(flat) in masters:
-                    flat.load_master(masters[id(flat)], only_if_changed=True)
+                    load_rows(flat, masters[id(flat)], only_if_changed=True)
                 elif writeback:
-                    flat.push_to_shard()
+                    _write_back(flat)
             put_back(unit)
+
+
+def load_rows(flat, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
+    """Set ``flat``'s shards from the full ``values`` (one per parameter; each rank keeps its
+    rows), so the next use gathers. ``only_if_changed``: leave an equal shard (and its
+    version: no re-gather)."""
+    with torch.no_grad():
+        for j, (rows, value) in enumerate(zip(flat.locals, values)):
+            mine = flat.my_rows(j, local(value)).to(flat.dtype)
+            if not (only_if_changed and torch.equal(mine, rows)):
+                rows.copy_(mine)
+                flat.mark_stale()
+
+
+def _write_back(flat) -> None:
+    """Copy this rank's rows of ``full`` (edited in a ``gathered()`` block) into the shards,
+    which are views of full unless they own their storage; full is then current."""
+    with torch.no_grad():
+        if flat.shard is not None:
+            for j, rows in enumerate(flat.locals):
+                rows.copy_(flat.my_rows(j, flat.param_in(flat.full.data, j)))
+    flat.mark_current()
 
 
 def buffer_state(module) -> dict[str, torch.Tensor]:
@@ -138,7 +160,7 @@ def full_state_dict(units, module, keys: list[str], every, rank0_only: bool) -> 
     rank 0 for a mesh over the job): one file on one machine, not one per replica."""
     keep = not rank0_only or comm.group_rank(every) == 0
     values: dict[str, torch.Tensor] = {}
-    staging = Staging(units, lambda f: f.ranks * f.shard_numel)
+    staging = Staging(units, lambda f: f.chunks * f.shard_numel)
     for unit in units:
         for flat in unit.flats:
             full = gather_full(flat, flat.params, keep=keep, staging=staging)
@@ -190,7 +212,7 @@ def _load_flat(unit, flat, state_dict, every, has_values: bool, from_rank0: bool
                    for p in unit.params(flat)], out=full)
     if from_rank0:
         comm.broadcast(full, 0, every, tag=f"{flat.name} (from rank 0)")
-    flat.load_master([v.view(s) for v, s in zip(torch.split(full, flat.numels), flat.shapes)])
+    load_rows(flat, [v.view(s) for v, s in zip(torch.split(full, flat.numels), flat.shapes)])
 
 
 def _state_dict_problem(units, keys: list[str], state_dict) -> str | None:
@@ -309,7 +331,7 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
     """
     groups = _numbering(model, optimizer, param_names)
     full: dict[int, dict] = {}  # id(Param) -> its full state. Same collectives on all ranks.
-    staging = Staging(model.units, lambda f: f.ranks * f.shard_numel)
+    staging = Staging(model.units, lambda f: f.chunks * f.shard_numel)
     for unit in model.units:
         for flat in unit.flats:
             states = [optimizer.state.get(p, {}) for p in flat.params]

@@ -6,10 +6,10 @@ it runs" (zero.py's hooks ask for that; :meth:`Gatherer.gather` does it).
 * **Prefetch** (``prefetch=True``): when a unit starts, the all-gather of the unit expected to
   run next (in the order, or its reverse in backward) is issued asynchronously. A wrong guess
   costs memory, never correctness: a unit waits for its own gather.
-* **Buckets at stage 3** (``bucket_bytes``, [Note: buckets] in zero.py): once the order is
+* **Buckets at stage 3** (``bucket_bytes``, [Note: buckets] in config.py): once the order is
   known, a unit's gather also carries the units that run after it, up to about bucket_bytes.
 * **Lazy re-gathers** (stages 1-2): the optimizer step changes the shards, not the full
-  buffers. The next forward notices (a shard's ``_version`` moved: ``flat.is_stale``) and
+  buffers. The next forward notices (a shard's ``_version`` moved: ``flat.needs_gather``) and
   re-gathers every stale buffer, in forward order, in buckets ([Note: buckets]; each in-flight
   one holds a staging buffer, see ``flat.gather_params``); each unit waits only for the gather
   that carries it.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 
 from minishard import config
-from minishard.flat import FlatBuffer, FlatMode, gather_params
+from minishard.flat import FlatBuffer, gather_params
 
 __all__ = ["Pass", "Gatherer", "MAX_GATHERS_IN_FLIGHT"]
 
@@ -73,22 +73,22 @@ class Gatherer:
         several small units. Each still frees its own parameters after it has run, so a
         bucket's memory drains unit by unit."""
         if not (self.bucket_bytes and self.free_after_forward and self.order_recorded
-                and unit in self.order and unit.missing()):
+                and unit in self.order and unit.needing_gather()):
             unit.gather(async_op, self.meters.on_gather)
             return
         i = self.order.index(unit)
         later = self.order[i + 1:] if direction is Pass.FORWARD else self.order[:i][::-1]
-        bucket = [(unit, unit.missing())]
+        bucket = [(unit, unit.needing_gather())]
         size = sum(f.full_bytes() for f in bucket[0][1])
         for other in later:
-            flats = other.missing()
+            flats = other.needing_gather()
             size += sum(f.full_bytes() for f in flats)
             if size > self.bucket_bytes:
                 break
             bucket.append((other, flats))
         flats = [f for _, fs in bucket for f in fs]
         for dtype in dict.fromkeys(f.param_dtype for f in flats):  # one collective per dtype
-            gather_params([f for f in flats if f.param_dtype == dtype])
+            gather_params([f for f in flats if f.param_dtype == dtype], async_op=True)
         self.meters.note_gathered()
         for u, fs in bucket:
             if fs:
@@ -104,8 +104,7 @@ class Gatherer:
             handle.wait()
         order = self.order + [u for u in self.units if u not in self.order]
         buckets: list[list[FlatBuffer]] = []
-        stale = (f for u in order for f in u.flats if f.mode is not FlatMode.NONE and f.is_stale)
-        for flat in stale:
+        for flat in (f for u in order for f in u.flats if f.needs_gather):
             last = buckets[-1] if buckets else None
             if (last is None or last[0].param_dtype != flat.param_dtype
                     or sum(f.full_bytes() for f in last) >= config.BUCKET_BYTES):
@@ -122,9 +121,9 @@ class Gatherer:
     def _issue_regathers(self) -> None:
         """Start queued re-gathers while fewer than MAX_GATHERS_IN_FLIGHT are unfinished. Runs
         at every unit's pre-forward, the same program points on every rank: same order of
-        collectives everywhere. A flat gathered on its own meanwhile is no longer stale: skipped."""
+        collectives everywhere. A flat gathered on its own meanwhile needs no gather: skipped."""
         self._regathers = [h for h in self._regathers if not h.waited]
         while self._regather_queue and len(self._regathers) < MAX_GATHERS_IN_FLIGHT:
-            bucket = [f for f in self._regather_queue.pop(0) if f.is_stale]
+            bucket = [f for f in self._regather_queue.pop(0) if f.needs_gather]
             if bucket:
-                self._regathers.append(gather_params(bucket))
+                self._regathers.append(gather_params(bucket, async_op=True))

@@ -119,7 +119,7 @@ _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet(
 
 def refuse_orphaned_params(optimizer, args, kwargs) -> None:
     """The classic stale-parameter bug: the optimizer was built over the module's parameters
-    BEFORE wrapping, so it updates tensors the model no longer uses. Caught at the first step."""
+    BEFORE wrapping, so it updates tensors the model does not use. Caught at the first step."""
     if optimizer in _checked_optimizers:
         return
     for group in optimizer.param_groups:
@@ -130,7 +130,7 @@ def refuse_orphaned_params(optimizer, args, kwargs) -> None:
                     "minishard.ZeRO wrapped it, one ZeRO replaced (at stages 1-3 every parameter "
                     "becomes a DTensor of this rank's rows, as under FSDP2; at stage 0 one on "
                     "the meta device or another device), so this optimizer would update a tensor "
-                    "the model no longer uses. Build the optimizer AFTER wrapping, over the "
+                    "the model does not use. Build the optimizer AFTER wrapping, over the "
                     "wrapper: opt = torch.optim.AdamW(zero_model.parameters(), ...)")
     for group in optimizer.param_groups:
         for p in group["params"]:

@@ -23,14 +23,15 @@ def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
 
 class Layout:
     """Where every row of a unit's parameters sits, and nothing else (no storage): parameters
-    of ``shapes`` cut along dim 0 into ``ranks`` chunks, seen from ``rank`` (the module
-    docstring's picture)."""
+    of ``shapes`` cut along dim 0 into ``chunks`` pieces, seen from the holder of piece
+    ``chunk`` (the module docstring's picture)."""
 
-    def __init__(self, shapes: list[torch.Size], ranks: int, rank: int) -> None:
+    def __init__(self, shapes: list[torch.Size], chunks: int, chunk: int) -> None:
         self.shapes = shapes
         self.numels = [math.prod(s) for s in shapes]
         self.numel = sum(self.numels)
-        self.ranks, self._r = n, r = ranks, rank  # our chunk of each param is the r-th
+        # each parameter is cut into ``chunks`` (N, or 1 at stage 0); ours is number ``chunk``
+        self.chunks, self.chunk = n, r = chunks, chunk
         self.n_rows = [s[0] if len(s) else 1 for s in shapes]   # a 0-dim param: one row
         self.row_numels = [math.prod(s[1:]) for s in shapes]
         self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
@@ -45,24 +46,29 @@ class Layout:
         self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
                                                                     self.row_numels))
         # full and the shards have the same layout when each rank's shard is one piece of full
-        self._same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
+        self.same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
 
-    def _region(self, flat: torch.Tensor, j: int) -> torch.Tensor:
-        """Parameter j's padded region (N chunks) of a full-layout tensor."""
-        start = self.ranks * self.offsets[j]
-        return flat[start:start + self.ranks * self.widths[j]]
+    def region(self, full: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter j's padded region of a full-layout tensor, viewed (N, width_j): row r is
+        what rank r holds of it."""
+        start = self.chunks * self.offsets[j]
+        return full[start:start + self.chunks * self.widths[j]].view(self.chunks, self.widths[j])
 
-    def _rows_of_rank(self, flat: torch.Tensor, r: int, out: torch.Tensor | None = None
-                      ) -> torch.Tensor:
-        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy, into
-        ``out`` when given."""
-        return torch.cat([self._region(flat, j).view(self.ranks, -1)[r]
-                          for j in range(len(self.widths))], out=out)
+    def param_in(self, full: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter j's values in a full-layout tensor, shaped like it (padding left out)."""
+        return self.region(full, j).view(-1)[:self.numels[j]].view(self.shapes[j])
+
+    def regions(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [self.region(full, j) for j in range(len(self.shapes))]
+
+    def shard_of(self, full: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy."""
+        return torch.cat([region[r] for region in self.regions(full)])
 
     def shard_shape(self, j: int) -> torch.Size:
         """Parameter j's shape on this rank: its rows (the whole shape on one rank, or of a
         0-dim parameter)."""
-        if self.ranks == 1 or not len(self.shapes[j]):
+        if self.chunks == 1 or not len(self.shapes[j]):
             return self.shapes[j]
         lo, hi = self.row_ranges[j]
         return torch.Size([hi - lo, *self.shapes[j][1:]])

@@ -6,8 +6,8 @@ between, the Reducer decides when each reduction is launched and when it is wait
 ``reduce_grads`` moves the bytes (one all-reduce at stage 0, one reduce-scatter at 1-3, in one
 collective for a whole bucket).
 
-When a bucket is launched and how many may be in flight: [Note: buckets] in zero.py's module
-docstring (``config.BUCKET_BYTES``, ``bucket_bytes``, ``MAX_REDUCTIONS_IN_FLIGHT``).
+When a bucket is launched and how many may be in flight: [Note: buckets] in config.py
+(``config.BUCKET_BYTES``, ``bucket_bytes``, ``MAX_REDUCTIONS_IN_FLIGHT``).
 
 [Note: find_unused] With ``find_unused_parameters``, ranks may run different units, so the order
 in which gradients become ready differs between ranks, while collectives must match. So:

@@ -55,6 +55,7 @@ import torch
 from torch.optim import Optimizer
 
 from minishard import comm
+from minishard.verdicts import ranks_range
 
 __all__ = ["ShardedOptimizer", "BUCKET_BYTES", "assign_owners"]
 
@@ -138,7 +139,7 @@ class ShardedOptimizer(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, on every rank: the new group is partitioned as the first
-        ones were (the loads carry on, so old parameters keep their owners)."""
+        ones were (the loads carry on, so parameters already placed keep their owners)."""
         param_group = dict(param_group)
         if not isinstance(param_group.get("params"), (torch.Tensor, set)):
             param_group["params"] = list(param_group.get("params", ()))
@@ -354,6 +355,8 @@ def _broadcast_bucket(bucket: list[torch.Tensor], owner: int, rank: int, group):
 
 
 # ---------------------------------------------------------------- the ranks must agree
+# each element's bits as integers small enough that their int64 sum cannot overflow (8-byte
+# elements as two int32s), by element size
 _INT_VIEW = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
@@ -372,16 +375,13 @@ _WHAT = ["number of elements", "dtype", "requires_grad", "values"]
 
 
 def _check_ranks_agree(groups: list[dict], process_group) -> None:
-    """One all-reduce(MAX) of every parameter's fingerprint and its negation: equal maximum and
-    minimum everywhere means every rank holds the same. Every rank sees the same result, so a
-    mismatch raises on all of them together."""
+    """Every parameter's fingerprint, the same on every rank (verdicts.ranks_range), or a
+    ValueError on every rank naming the first that differs."""
     params = [p for g in groups for p in g["params"]]
     if comm.group_size(process_group) == 1 or not params:
         return
     mine = torch.tensor([_fingerprint(p) for p in params], dtype=torch.int64)
-    both = torch.cat([mine, -mine])
-    comm.all_reduce(both, "max", process_group, tag="ShardedOptimizer: ranks agree")
-    high, low = both[:len(params)], -both[len(params):]
+    low, high = ranks_range(mine, process_group, tag="ShardedOptimizer: ranks agree")
     differs = (high != low).nonzero().tolist()
     if differs:
         i, field = differs[0]

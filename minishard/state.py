@@ -16,7 +16,7 @@ state (``step``) is copied. Loading at M ranks is then interval arithmetic on ro
 
     a parameter of 10 rows    saved by 4 ranks (c=3):  [0:3) [3:6) [6:9) [9:10)
                               loaded by 3 ranks (c=4): [0:4)   [4:8)   [8:10)
-    new rank 1 needs rows [4:8): it opens the files of old ranks 1 and 2 only, and
+    new rank 1 needs rows [4:8): it opens the files of saved ranks 1 and 2 only, and
     concatenates old1[1:3] (= rows 4-5) and old2[0:2] (= rows 6-7)
 
 **Hybrid sharding** (a 2-D mesh): the replicas hold identical shards, so only the first replica
@@ -123,11 +123,11 @@ def _make_room(path: str, group, overwrite: bool) -> None:
             "(checkpoint_path(root, step)), or pass overwrite=True")
     os.makedirs(path, exist_ok=True)
     if overwrite:
-        if comm.group_rank(group) == 0:  # the old DCP digests go with them: they match nothing
+        if comm.group_rank(group) == 0:  # the DCP digests go with them: they match nothing
             for marker in markers + [os.path.join(path, DCP_DIGESTS)]:
                 if os.path.exists(marker):
                     os.remove(marker)  # from here on the directory reads as incomplete
-        comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: old marker removed")
+        comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: previous marker removed")
 
 
 def _save_shards(path: str, model, optimizer) -> None:
@@ -278,7 +278,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     (built over ``model.parameters()``, as for training). Returns the checkpoint's metadata.
 
     Collective. The world size and the stage may differ from the saving run's: each rank works
-    out which rows of each parameter it holds now, opens only the old ranks' files that overlap
+    out which rows of each parameter it holds now, opens only the saved ranks' files that overlap
     them, and concatenates the overlapping rows of the values and of the optimizer state (see
     the module docstring). Every check happens before anything changes: if
     any rank cannot load, all ranks raise and the model and optimizer are left as they were.
@@ -323,7 +323,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
 
 def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None) -> None:
     """Everything checked: now change the model. Each written shard is marked stale: the
-    next forward re-gathers its full parameters (flat.py: is_stale)."""
+    next forward re-gathers its full parameters (flat.py: needs_gather)."""
     with torch.no_grad():
         for param, values in masters:
             param.rows.copy_(values.to(param.rows.dtype).reshape(param.rows.shape))
@@ -336,7 +336,7 @@ def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None
 
 
 class _ShardFiles:
-    """The old ranks' files, each read (and checked against meta.pt) when first needed."""
+    """The saved ranks' files, each read (and checked against meta.pt) when first needed."""
 
     def __init__(self, path: str, meta: dict) -> None:
         self.path, self.meta, self.loaded = path, meta, {}
@@ -355,14 +355,14 @@ class _ShardFiles:
 
 
 def _assemble(name: str, param, meta: dict, files: _ShardFiles):
-    """This rank's rows [lo, hi) of one parameter, cut out of the old ranks' files that overlap
+    """This rank's rows [lo, hi) of one parameter, cut out of the saved ranks' files that overlap
     them: (values, optimizer state shaped like the user parameter, or None)."""
     lo, hi, held = _held(param)
     shape = param.rows.shape
     rows = next(p["rows"] for p in meta["params"] if p["name"] == name)
     sources = [r for r, (a, b) in enumerate(rows) if a < hi and lo < b]
     # An empty shard (more ranks than rows) has no rows to read but still needs the scalar
-    # state (Adam's step): take it from old rank 0, cutting an empty piece.
+    # state (Adam's step): take it from saved rank 0, cutting an empty piece.
     sources = sources or [0]
     pieces, state_pieces, scalars, with_state = [], {}, {}, []
     for r in sources:
@@ -382,7 +382,7 @@ def _assemble(name: str, param, meta: dict, files: _ShardFiles):
     if not with_state:
         return values, None
     if with_state != sources:
-        raise CheckpointError(f"parameter {name!r}: old ranks {sources} hold this rank's rows, "
+        raise CheckpointError(f"parameter {name!r}: saved ranks {sources} hold this rank's rows, "
                               f"but only {with_state} saved optimizer state; the checkpoint is "
                               "inconsistent")
     return values, {**scalars, **{k: (v[0] if len(v) == 1 else torch.cat(v)).reshape(shape)

@@ -3,13 +3,15 @@
 zero.py says WHEN each unit is gathered, released and reduced; this file says WHAT that does to
 one unit; flat.py says HOW the bytes move. A unit's work, by event:
 
-    gather         every flat buffer that is freed or stale all-gathers its shards into ``full``
-    show_full      every place a parameter appears now holds its view of ``full``
-    show_rest      every place holds the user parameter again: this rank's shard of it (the
+    gather         every flat buffer that needs it (``FlatBuffer.needs_gather``) all-gathers
+                   its shards into ``full``
+    to_unsharded   every place a parameter appears now holds its view of ``full``
+    to_sharded     every place holds the user parameter again: this rank's shard of it (the
                    whole parameter at stage 0), what ``named_parameters()`` gives between steps
-    release        (stage 3) ``full``'s storage is freed, and the places show the rest state
-    gradients      one hook per trainable flat buffer fires when autograd has summed the views'
-                   gradients into ``full.grad``: the engine reduces it (reductions.py)
+    release        (stage 3) ``full``'s storage is freed, and the places show stand-ins until
+                   ``to_sharded``
+    gradients      the hook zero.py puts on each trainable buffer's ``full`` fires when autograd
+                   has summed the views' gradients into ``full.grad``: the engine reduces it
 
 A place is the module's own ``_parameters`` entry: it holds the user parameter at rest and a
 view of ``full`` (a plain tensor, as FSDP1 shows its original parameters) while the unit computes.
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from minishard.dtensors import local
-from minishard.flat import FlatBuffer, FlatMode
+from minishard.flat import FlatBuffer, FlatMode, gather_params
 
 __all__ = ["Place", "Param", "Unit", "is_inside"]
 
@@ -81,9 +83,8 @@ class Unit:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name, self.module = name, module
         self.flats: list[FlatBuffer] = []
-        self._params: list[list[Param]] = []       # [flat][param]
-        self.views: list[list[torch.Tensor]] = []  # [flat][param] -> its view shown last
-        self._hooked: set[int] = set()             # flats whose gradient hook is registered
+        self._params: list[list[Param]] = []        # [flat][param]
+        self._shown: list[list[torch.Tensor]] = []  # [flat][param] -> its unsharded view
 
     def add_flat(self, flat: FlatBuffer, places: list[list[Place]]) -> None:
         """A flat buffer of this unit; ``places[j]``: every place its parameter j appears."""
@@ -110,19 +111,9 @@ class Unit:
     def has_frozen(self) -> bool:
         return any(not flat.requires_grad for flat in self.flats)
 
-    def sync_requires_grad(self, hook_for: Callable[[int], Callable]) -> None:
-        """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
-        ``requires_grad_`` on them or on a module): bring each flat buffer in line, and give
-        buffer j the gradient hook ``hook_for(j)`` the first time it is trainable."""
-        for j, flat in enumerate(self.flats):
-            flat.sync_requires_grad()
-            if flat.requires_grad and j not in self._hooked:
-                self._hooked.add(j)
-                flat.full.register_post_accumulate_grad_hook(hook_for(j))
-
     # ------------------------------------------------------------------------------ gather
-    def missing(self) -> list[FlatBuffer]:
-        """The flat buffers a gather must refresh (freed, or older than their shard)."""
+    def needing_gather(self) -> list[FlatBuffer]:
+        """The flat buffers a gather must refresh (``FlatBuffer.needs_gather``)."""
         return [flat for flat in self.flats if flat.needs_gather]
 
     def gather(self, async_op: bool = False, on_gather: Callable | None = None) -> None:
@@ -133,7 +124,7 @@ class Unit:
     def gather_flat(self, flat: FlatBuffer, async_op: bool = False,
                     on_gather: Callable | None = None) -> None:
         if flat.needs_gather:
-            flat.gather(async_op)
+            gather_params([flat], async_op)
             if on_gather is not None:
                 on_gather(self)
         elif not async_op:
@@ -145,35 +136,31 @@ class Unit:
             flat.wait()
 
     # ---------------------------------------------------------------- what the places hold
-    def show_full(self, detached: bool = False) -> None:
-        """Point every place at its parameter's view of ``full`` (``detached``: between steps,
-        outside autograd)."""
-        self.views = [flat.views(detached) for flat in self.flats]
-        self.show_again()
+    def to_unsharded(self, fresh: bool = True) -> None:
+        """Every place holds its parameter's view of ``full``: new views (``fresh``, a forward),
+        or those the last forward made (a recomputation in backward then joins its graph)."""
+        if fresh:
+            self._shown = [flat.unsharded_views() for flat in self.flats]
+        for flat, views in zip(self.flats, self._shown):
+            self.set_places(flat, views)
 
-    def show_again(self) -> None:
-        """Show the views made by the last :meth:`show_full` again (after the shards replaced
-        them): the same tensors, so a recomputation in backward joins the forward's graph."""
-        for flat, views in zip(self.flats, self.views):
-            self.show(flat, views)
+    def to_sharded(self) -> None:
+        """Every place holds its user parameter again (between steps)."""
+        for flat in self.flats:
+            self.set_places(flat, flat.params)
 
-    def show(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
+    def set_places(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
         """Point every place of ``flat``'s parameter j at ``values[j]`` (the module's own
         ``_parameters`` entry: a view is not an ``nn.Parameter``, so setattr would refuse it)."""
         for param, value in zip(self.params(flat), values):
             for place in param.places:
                 place.module._parameters[place.attr] = value
 
-    def show_rest(self) -> None:
-        """Every place holds its user parameter again (between steps)."""
-        for flat in self.flats:
-            self.show(flat, flat.params)
-
     # ----------------------------------------------------------------------------- release
     def release(self, on_free: Callable | None = None, j: int | None = None) -> None:
         """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``), calling
         ``on_free(unit)`` after each one freed, and show the stand-ins (guards.Released) until
-        :meth:`show_rest`."""
+        :meth:`to_sharded`."""
         for k, flat in enumerate(self.flats):
             if j is None or k == j:
                 self._release_flat(flat, on_free)
@@ -189,5 +176,5 @@ class Unit:
             flat.free()
             if on_free is not None:
                 on_free(self)
-        self.show(flat, [p.stand_in if p.stand_in is not None else p.user
+        self.set_places(flat, [p.stand_in if p.stand_in is not None else p.user
                          for p in self.params(flat)])

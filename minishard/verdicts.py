@@ -8,6 +8,7 @@ happened to it, and only then raise:
 * :func:`rank0_verdict`: rank 0 decides (it alone looked); every rank raises rank 0's message.
 * :func:`raise_together`: each rank may have failed; one all-reduce(MAX) of a failed flag, then
   a failed rank raises its own error and the others ``others_failed``.
+* :func:`ranks_range`: does every rank hold the same numbers (a configuration, a fingerprint)?
 """
 from __future__ import annotations
 
@@ -15,7 +16,16 @@ import torch
 
 from minishard import comm
 
-__all__ = ["rank0_verdict", "raise_together"]
+__all__ = ["rank0_verdict", "raise_together", "ranks_range"]
+
+
+def ranks_range(values: torch.Tensor, group, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The elementwise minimum and maximum of ``values`` over the ranks, in ONE all-reduce (MAX
+    of x and of -x): equal exactly where every rank holds the same. Every rank gets the same
+    answer, so a check on it raises on all of them together."""
+    both = torch.cat([values, -values])
+    comm.all_reduce(both, "max", group, tag=tag)
+    return -both[len(values):], both[:len(values)]
 
 
 def rank0_verdict(error: str | None, group, device=None, tag: str = "verdict") -> str | None:

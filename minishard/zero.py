@@ -20,18 +20,21 @@ The life of one stage-3 unit in one step, and what implements each event (ZeRO's
 Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
 
     pre-forward gather    all_gather shards -> full; the       _pre_forward: Gatherer.gather,
-                          module's parameters become views      Unit.show_full
+                          module's parameters become views      Unit.to_unsharded
     prefetch              the next unit's all_gather, async     Gatherer.look_ahead
     forward               the module's own code, unchanged
-    post-forward free     free full; the parameters show the    _post_forward: Unit.release
-                          shards again
+    post-forward free     free full; stand-ins, then (at the    _post_forward: Unit.release,
+                          root's end) the shards again          _to_sharded
     pre-backward gather   all_gather again when the gradient    _pre_backward: Gatherer.gather,
-                          reaches the unit's outputs            Unit.show_again
+                          reaches the unit's outputs            Unit.to_unsharded(fresh=False)
     backward              autograd sums the views' grads into full.grad (one flat gradient)
-    post-backward reduce  reduce_scatter(avg) full.grad ->      _post_backward:
-      + free              shard.grad; free full                 Reducer.grad_ready, Unit.release
+    post-backward reduce  reduce_scatter(avg) full.grad ->      _post_backward (hooked by
+      + free              shard.grad; free full                 _sync_requires_grad):
+                                                                Reducer.grad_ready, Unit.release
     end-of-backward       queued by backward's first hook:      _finish_backward: Reducer.finish
       callback            wait for every reduction; free
+    optimizer step        the user's optimizer writes the       torch.optim; the shards'
+                          shards in place                       _version moves: needs_gather
     lazy re-gather        stages 1-2: stale buffers, at the     _pre_forward (root):
                           next forward                          Gatherer.refresh_stale
 
@@ -40,13 +43,7 @@ unit only SOME ranks used is reduced with zeros from the others, in an order eve
 reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
 
-[Note: buckets] A unit's reduction launches as soon as autograd has finished its gradient
-(find_unused: at the end, reductions.py), overlapping the rest of backward. Stages 0-1 keep
-every full gradient to the end of backward anyway, so they coalesce ready ones into collectives
-of about ``config.BUCKET_BYTES`` (4 MiB, as DDP's buckets). Stages 2-3 launch each unit's at
-once, at most two in flight, freeing full gradients early; ``bucket_bytes`` coalesces up to that
-many bytes, and stage 3 gathers consecutive units in one collective (once the order is known).
-Stages 1-2 coalesce lazy re-gathers into about ``config.BUCKET_BYTES``. Memory: meters.py.
+Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
@@ -54,8 +51,8 @@ stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the 
 Hybrid sharding (``mesh=``, R replicas of S-rank shard groups) runs all of that inside the shard
 group (N = S) and adds one all-reduce of each gradient shard across the replicas: 2(Ψ/S)(R-1)/R.
 
-Read next: unit.py (a unit's work), flat.py (the bytes), comm.py (the collectives); then the
-features, each in the file named for it (the README has the map).
+Read next: unit.py (a unit's work), gathers.py and reductions.py (when the collectives run),
+flat.py (the bytes), comm.py (the collectives); README's map has the rest.
 """
 from __future__ import annotations
 
@@ -127,10 +124,8 @@ class ZeRO(trace.Traced, nn.Module):
     ``stage``: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters). The module's
     code runs unchanged. Other arguments (each explained in config.py): ``units`` (classes, a
     predicate or None: which submodules gather and reduce as one), ``process_group`` or ``mesh``
-    (2-D: hybrid sharding), ``mixed_precision``, ``prefetch``, ``bucket_bytes``,
-    ``param_groups`` (over the ORIGINAL parameters), ``find_unused_parameters`` (stages 0-2),
-    ``device`` and ``param_init_fn`` (a module built on the meta device is materialised one
-    module at a time: deferred_init.py).
+    (2-D: hybrid sharding), ``mixed_precision``, ``prefetch``, ``bucket_bytes``, ``param_groups``,
+    ``find_unused_parameters`` (stages 0-2), ``device`` and ``param_init_fn`` (deferred init).
 
     ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
     at stages 1-3 DTensors of this rank's rows (dtensors.py), as FSDP2's: build the optimizer
@@ -144,9 +139,8 @@ class ZeRO(trace.Traced, nn.Module):
 
     def __init__(self, module: nn.Module, stage: int = 3, units=None, process_group=None,
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
-                 param_groups: list[dict] | None = None,
-                 find_unused_parameters: bool = False, mesh=None,
-                 device: torch.device | str | None = None, param_init_fn=None,
+                 param_groups: list[dict] | None = None, find_unused_parameters: bool = False,
+                 mesh=None, device: torch.device | str | None = None, param_init_fn=None,
                  bucket_bytes: int = 0) -> None:
         super().__init__()
         policy = STAGES.get(stage)
@@ -174,6 +168,7 @@ class ZeRO(trace.Traced, nn.Module):
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
                                                   with_kwargs=True)
             unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
+        self._hooked: set[tuple[int, int]] = set()  # (unit, flat) with a post-backward hook
         self._sync_requires_grad()
         self._meters = Meters(self.units)
         self._gathers = Gatherer(self.units, self._meters,
@@ -186,7 +181,7 @@ class ZeRO(trace.Traced, nn.Module):
                                 log=self._meters.log)
         self._pass, self._sync_grads = Pass.FORWARD, True  # see _start_backward, no_sync()
         for unit in self.units:     # stage 3 starts sharded; the others keep full params
-            self._put_back(unit)
+            self._reshard(unit)
         self.refresh_full_params()  # deferred init filled only an OWN buffer's shard
         self._meters.note_gathered()
 
@@ -201,10 +196,10 @@ class ZeRO(trace.Traced, nn.Module):
             if not self.policy.free_after_forward:
                 self._gathers.refresh_stale()
                 for other in self.units:  # full views everywhere until backward ends
-                    other.show_full()
+                    other.to_unsharded()
         self._gathers.record(unit)
         self._gathers.gather(unit, Pass.FORWARD)
-        unit.show_full()
+        unit.to_unsharded()
         self._meters.log("forward", unit)
         if not in_backward:
             self._gathers.look_ahead(unit, Pass.FORWARD)
@@ -223,7 +218,7 @@ class ZeRO(trace.Traced, nn.Module):
         if unit.module is self.module:
             self._gathers.order_recorded = True
             if not torch.is_grad_enabled() and not self.policy.free_after_forward:
-                self._show_rest()  # no backward follows
+                self._to_sharded()  # no backward follows
         if torch.is_grad_enabled():
             outputs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for t in outputs:
@@ -231,16 +226,16 @@ class ZeRO(trace.Traced, nn.Module):
                     t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
         # During backward (activation-checkpoint recomputation) the params are still needed.
         if self.policy.free_after_forward and self._pass is not Pass.BACKWARD:
-            self._release(unit)  # stand-ins: a read by another unit's forward is named
+            unit.release(self._meters.on_free)  # stand-ins: a read by another unit's forward is named
             if unit.module is self.module:
-                self._show_rest()  # the forward is over: the user parameters again
+                self._to_sharded()  # the forward is over: the user parameters again
 
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
         self._start_backward()
         self._gathers.gather(unit, Pass.BACKWARD)
         if self.policy.free_after_forward:
-            unit.show_again()  # a checkpointed part of the unit recomputes from its attributes
+            unit.to_unsharded(fresh=False)  # a checkpointed part of the unit recomputes from its attributes
         self._meters.log_backward(unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
@@ -257,9 +252,6 @@ class ZeRO(trace.Traced, nn.Module):
     def _release_frozen(self, i: int) -> None:
         self.units[i].release_frozen(self._meters.on_free)
 
-    def _release(self, unit: Unit) -> None:
-        unit.release(self._meters.on_free)
-
     def _start_backward(self) -> None:
         if self._pass is not Pass.BACKWARD:
             self._pass = Pass.BACKWARD
@@ -272,17 +264,25 @@ class ZeRO(trace.Traced, nn.Module):
         self._reducer.finish(self._sync_grads)
         if self.policy.free_after_forward:
             for unit in self.units:
-                self._release(unit)
-        self._show_rest()
+                unit.release(self._meters.on_free)
+        self._to_sharded()
         self._pass = Pass.FORWARD
 
-    def _show_rest(self) -> None:
+    def _to_sharded(self) -> None:
         for unit in self.units:
-            unit.show_rest()
+            unit.to_sharded()
 
     def _sync_requires_grad(self) -> None:
+        """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
+        ``requires_grad_`` on them or on a module): each flat buffer follows it, and the first
+        time one is trainable its ``full`` gets the post-backward hook."""
         for i, unit in enumerate(self.units):
-            unit.sync_requires_grad(lambda j, i=i: _weak_hook(self, ZeRO._post_backward, i, j))
+            for j, flat in enumerate(unit.flats):
+                flat.sync_requires_grad()
+                if flat.requires_grad and (i, j) not in self._hooked:
+                    self._hooked.add((i, j))
+                    flat.full.register_post_accumulate_grad_hook(
+                        _weak_hook(self, ZeRO._post_backward, i, j))
 
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
@@ -344,14 +344,14 @@ class ZeRO(trace.Traced, nn.Module):
         with ``writeback``; without it stage 3 drops them, stages 0-2 keep them anyway (full and
         shards share storage there). Under mixed precision the block shows the fp32 masters
         gathered from the shards and writes back only an edited shard: never a rounded one."""
-        with full_state.gathered(self.units, writeback, self._meters.on_gather, self._put_back):
+        with full_state.gathered(self.units, writeback, self._meters.on_gather, self._reshard):
             yield self.module
 
-    def _put_back(self, unit: Unit) -> None:
+    def _reshard(self, unit: Unit) -> None:
         """What a unit shows between steps: its user parameters (stage 3 frees full)."""
         if self.policy.free_after_forward:
-            self._release(unit)
-        unit.show_rest()
+            unit.release(self._meters.on_free)
+        unit.to_sharded()
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank.

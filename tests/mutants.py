@@ -52,9 +52,9 @@ MUTANTS = {
          "tests/test_zero.py::test_ledger_one_step_is_the_stage_formula"]),
     "master_rounded_to_bf16": (
         "the fp32 master shard is rounded to the compute dtype at every gather",
-        [("minishard/flat.py", "            out.copy_(self._master)",
-          "            self._master.copy_(self._master.to(self.param_dtype))\n"
-          "            out.copy_(self._master)")],
+        [("minishard/flat.py", "            return [self.shard]",
+          "            self.shard.copy_(self.shard.to(self.param_dtype))\n"
+          "            return [self.shard]")],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
     "syncbn_second_pass_only_when_all_cancel": (
         "SyncBatchNorm's centred second pass taken when ALL channels cancel instead of ANY",
@@ -180,7 +180,8 @@ MUTANTS = {
     "replicated_scalar_gradient_on_rank0_only": (
         "a 0-dim parameter's gradient column is not copied to every rank before the "
         "reduce-scatter: only rank 0 receives its average, the others step it with zero",
-        [("minishard/flat.py", "            out[:, o].copy_(out[0, o].expand(self.ranks))",
+        [("minishard/flat.py",
+          "            send[1:, start + flat.offsets[j]] = send[0, start + flat.offsets[j]]",
           "            pass")],
         ["tests/test_your_parameters.py::test_the_parameters_stay_the_users",
          "tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),

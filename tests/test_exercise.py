@@ -27,7 +27,8 @@ from torch import nn
 import minishard
 from minishard import comm
 from minishard.exercise import EXERCISES, STUBS, check, main
-from minishard.flat import FlatBuffer, reduce_grads
+from minishard.flat import FlatBuffer, FlatMode, reduce_grads
+from minishard.layout import Layout
 from torch.distributed.tensor import DTensor
 from minishard.syncbn import SyncBatchNormFunction
 
@@ -62,17 +63,16 @@ def syncbn_reference(dy, x, mean, invstd, weight, n, all_reduce):
 
 
 def layout_reference(shapes, world, rank):
-    """FlatBuffer's own layout (its world and rank are the pool's: the same as given)."""
-    flat = FlatBuffer([torch.zeros(s) for s in shapes], mode="own")
-    assert (flat.world, flat.rank) == (world, rank)
-    return flat.owned_rows, flat.widths, flat.shard_numel
+    """The engine's own layout (layout.py), for this rank of ``world``."""
+    layout = Layout([torch.Size(s) for s in shapes], world, rank)
+    return layout.owned_rows, layout.widths, layout.shard_numel
 
 
 def reduce_reference(full_grad, numel, world, rank, reduce_scatter):
     """flat.reduce_grads, the reduction stages 2 and 3 run in backward, into the user
     parameter's .grad (this rank's rows of it)."""
     param = nn.Parameter(torch.zeros(numel, dtype=full_grad.dtype))
-    flat = FlatBuffer([param], mode="view")
+    flat = FlatBuffer([param], mode=FlatMode.VIEW)
     flat.adopt([param])
     flat.full.grad = full_grad.clone()
     reduce_grads([flat]).wait()
