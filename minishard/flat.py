@@ -288,9 +288,7 @@ def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tens
     """Full-layout gradients of ``flats`` into ``send`` (N x their k's, rank-major): row r is
     what rank r receives. One op; then a replicated 0-dim parameter's column (its gradient sits
     in rank 0's chunk, where the module's view is) is copied to every rank's row."""
-    columns = torch.split(send, [w for f in flats for w in f.widths], dim=1)
-    for cols, region in zip(columns, [r for f, g in zip(flats, grads) for r in f.regions(g)]):
-        cols.copy_(region)
+    torch.cat([region for f, g in zip(flats, grads) for region in f.regions(g)], dim=1, out=send)
     start = 0
     for flat in flats:
         for j in flat.scalars:
@@ -301,9 +299,8 @@ def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tens
 def copy_out(flats: list[FlatBuffer], gathered: torch.Tensor) -> None:
     """The gathered shards (N x the flats' k's, rank-major) into each flat's ``full``, one op:
     parameter j's region of full, viewed (N, width_j), is gathered's columns of j."""
-    columns = torch.split(gathered, [w for f in flats for w in f.widths], dim=1)
-    for cols, region in zip(columns, [r for f in flats for r in f.regions(f.full.data)]):
-        region.copy_(cols)
+    torch.split_with_sizes_copy(gathered, [w for f in flats for w in f.widths], dim=1,
+                                out=[region for f in flats for region in f.regions(f.full.data)])
 
 
 def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handle:
