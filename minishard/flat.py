@@ -28,9 +28,10 @@ gradients into ``full.grad`` in that layout; before the reduce-scatter, *copy-in
 puts it in the rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
 parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
 unit; the price is one copy of the unit's bytes per gather and per reduction (none when a unit
-has one parameter, or N = 1). FSDP1 and DeepSpeed's stages 1-2 cut the concatenation instead
-(rank 0 = [a0 a1 a2 b0 b1]...): no copies, but 1-D pieces across parameter boundaries lose
-names, shapes and per-parameter freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own,
+has one parameter, or N = 1; FSDP2 always copies in and out). FSDP1 and DeepSpeed's stages 1-2
+cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): FSDP1 then gathers and reduces
+with no copy, but 1-D pieces across parameter boundaries lose names, shapes and per-parameter
+freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own,
 flattened to 1-D: elements, not rows.)
 
 Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
@@ -377,11 +378,11 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
                                      tag=tag)
         sizes = [f.shard_numel for f in flats]
 
-    def land() -> None:
+    def deliver() -> None:
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
             comm.all_reduce(out, "avg", first.replicate_group, tag=f"{tag} (replicas)")
         for flat, piece in zip(flats, torch.split(out, sizes)):
             flat.add_shard_grad(piece)
 
-    return comm.Handle(then=land)
+    return comm.Handle(then=deliver)
