@@ -80,7 +80,8 @@ class Failure:
 
 def _differs(got, expected, rtol: float = 1e-9, atol: float = 1e-12) -> bool:
     if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        if not isinstance(got, torch.Tensor) or (got.shape, got.dtype) != (expected.shape,
+                                                                            expected.dtype):
             return True
         return not torch.allclose(got.double(), expected.double(), rtol=rtol, atol=atol)
     if isinstance(expected, float):
@@ -116,24 +117,59 @@ def _load(solution) -> Callable:
     return _loaded[solution]
 
 
+class _Raised(Exception):
+    """The learner's code raised (its exception is the cause), as opposed to the checker failing
+    on what that code returned."""
+
+
+def _guarded(solution) -> Callable:
+    """The learner's function, with any exception it raises (or its file raises on loading)
+    wrapped in :class:`_Raised`."""
+    def call(*args, **kwargs):
+        try:
+            return _load(solution)(*args, **kwargs)
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise _Raised() from exc
+    return call
+
+
+def _form_hint(got, expected) -> str | None:
+    """A hint from the form of a wrong output (its type or dtype), when that is what is wrong."""
+    if isinstance(expected, torch.Tensor) and not isinstance(got, torch.Tensor):
+        return f"return a tensor here, not a {type(got).__name__}"
+    if isinstance(expected, torch.Tensor) and got.dtype != expected.dtype:
+        return (f"you returned {got.dtype}; keep its dtype, {expected.dtype} (a cast rounds "
+                "every element, and what you return is compared in that dtype)")
+    return None
+
+
 def _on_rank(name: str, solution, case: dict, level: int = 0):
     """Runs on every rank of the pool: the learner's code on this example, then the checks.
-    Returns (None or the first failing check as (what, expected, got, hint), shared values)."""
+    Returns (None or the first failing check as (what, expected, got, hint), shared values).
+    Never raises: the learner's exception, or an output the checks cannot use, is a failure."""
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        fn = _load(solution)
-        checks, shared = EXERCISES[name].run(fn, case, rank, world)
+        checks, shared = EXERCISES[name].run(_guarded(solution), case, rank, world)
     except NotImplementedError:
         return (("your function", "an implementation", "NotImplementedError",
                  "fill in the body of the stub (its docstring says what it must do)"), None)
-    except Exception as exc:  # the learner's bug: show where, not the checker's traceback
+    except _Raised as raised:  # the learner's bug: show where, not the checker's traceback
+        exc = raised.__cause__
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         return (("your function", "no exception", "".join(lines[-3:]).strip(),
-                 "read the traceback; every rank must make the same calls in the same order"),
-                None)
+                 "your function raised this (the last lines of its traceback say where); if "
+                 "a collective raised it, every rank must make the same calls in the same "
+                 "order"), None)
+    except Exception as exc:  # the checks could not use what the function returned
+        return (("what your function returned", "what the stub's docstring describes",
+                 f"{type(exc).__name__}: {exc}", "return exactly what the stub's docstring "
+                 "says: the types, shapes and number of values"), None)
     for what, got, expected, hint, *tol in checks:
         if _differs(got, expected, *tol):
+            hint = _form_hint(got, expected) or hint
             return (what, show(expected), show(got), _hint(hint, level)), shared
     return None, shared
 

@@ -194,8 +194,12 @@ def _bn_run(fn, case, rank, world):
         comm.all_reduce(t, "sum")
 
     with comm.ledger() as led:
-        dx, dweight, dbias = fn(dys[rank].clone(), xs[rank].clone(), mean,
-                                torch.rsqrt(var + eps), weight.clone(), n, all_reduce)
+        out = fn(dys[rank].clone(), xs[rank].clone(), mean, torch.rsqrt(var + eps),
+                 weight.clone(), n, all_reduce)
+    if not (isinstance(out, (tuple, list)) and len(out) == 3):
+        return [("what you returned", repr(out)[:60], "(dx, dweight, dbias)",
+                 "return the three gradients as a tuple: (dx, dweight, dbias)")], None
+    dx, dweight, dbias = out
     formula = ("dx = w·invstd·(dy - A/n - x̂·B/n) with A = Σdy, B = Σdy·x̂ summed over ALL "
                "ranks")
     one = ("the point of the exercise is ONE all_reduce per backward: put Σdy and Σdy·x̂ side "
@@ -336,11 +340,8 @@ def _reduce_run(fn, case, rank, world):
     with comm.ledger() as led:
         got = fn(_full_grad(case, world, rank), numel, world, rank, reduce_scatter)
     hint = "reduce_scatter SUMS: divide by N for the average the optimizer needs"
-    if not isinstance(got, torch.Tensor):
-        hint = f"return a tensor (this rank's piece), not a {type(got).__name__}"
-    elif got.dtype != want.dtype:
-        hint = (f"you returned {got.dtype}; the gradient is {want.dtype}: keep its dtype (a "
-                "cast rounds every element, and the optimizer's shard is in that dtype)")
+    if not isinstance(got, torch.Tensor) or got.dtype != want.dtype:
+        pass  # the checker's hint names the type or the dtype
     elif got.shape == want.shape and real and torch.allclose(got, want * world):
         hint = "this is the SUM over ranks (N x the average): divide by N"
     elif got.shape != want.shape:
@@ -389,13 +390,17 @@ def _clip_run(fn, case, rank, world):
         comm.all_reduce(t, op)
 
     total = fn(shards, max_norm, all_reduce)
-    total = float(total) if isinstance(total, (torch.Tensor, int, float)) else total
+    one_number = isinstance(total, (int, float)) or (isinstance(total, torch.Tensor)
+                                                     and total.numel() == 1)
+    total = float(total) if one_number else total
     scaled_up = max_norm > norm and any(
         s.numel() and not torch.allclose(s, w) for s, w in zip(shards, wants))
     hint = ("scale by min(1, max_norm / (total + 1e-6)): clipping never scales UP"
             if scaled_up else "the global norm: sum |g|² over YOUR shards, all_reduce that "
             "sum, then take the square root; every rank then scales its shards by the same "
             "factor")
+    if not one_number:
+        hint = "return the total norm: ONE number (a float or a one-element tensor)"
     checks = [("the total norm returned", total, want_norm, hint, 1e-6, 1e-12)]  # fp32 is fine
     checks += [(f"gradient shard {i} after clipping (in place)", s, w, hint)
                for i, (s, w) in enumerate(zip(shards, wants))]

@@ -290,6 +290,30 @@ def clip_local_norm(grads, max_norm, all_reduce):
     return total
 
 
+def syncbn_dx_only(dy, x, mean, invstd, weight, n, all_reduce):
+    """Returns dx alone: the checker must say what to return, not crash unpacking it."""
+    return _bn(dy, x, mean, invstd, weight, n, all_reduce)[0]
+
+
+def syncbn_in_float32(dy, x, mean, invstd, weight, n, all_reduce):
+    return tuple(t.float() for t in _bn(dy, x, mean, invstd, weight, n, all_reduce))
+
+
+def reduce_returns_a_list(full_grad, numel, world, rank, reduce_scatter):
+    return (reduce_sum_not_avg(full_grad, numel, world, rank, reduce_scatter) / world).tolist()
+
+
+def clip_returns_two_numbers(grads, max_norm, all_reduce):
+    """Right clipping, but the norm returned twice: the checker must not crash on float()."""
+    total = clip_reference(grads, max_norm, all_reduce)
+    return torch.stack([torch.as_tensor(total)] * 2)
+
+
+def ring_raises(tensor, rank, world, send_recv):
+    """A learner's own exception, on every rank before any send: reported, with its traceback."""
+    raise ValueError(f"my ring went wrong at {world} ranks")
+
+
 # ---------------------------------------------------------------------------------- tests
 REFERENCES = {"ring_all_reduce": ring_reference, "syncbn_backward": syncbn_reference,
               "shard_layout": layout_reference, "reduce_gradient": reduce_reference,
@@ -333,6 +357,11 @@ def test_checker_passes_a_plain_written_out_answer(pools):
     ("reduce_gradient", reduce_slice_not_clamped, "averaged gradient", "REAL elements"),
     ("syncbn_backward", syncbn_two_all_reduces, "collectives in your backward", "ONE all_reduce"),
     ("ring_all_reduce", ring_gather_adds_difference, "same bits on every rank", "each chunk ONCE"),
+    ("syncbn_backward", syncbn_dx_only, "what you returned", "(dx, dweight, dbias)"),
+    ("syncbn_backward", syncbn_in_float32, "dx", "keep its dtype"),
+    ("reduce_gradient", reduce_returns_a_list, "averaged gradient", "not a list"),
+    ("clip_grad_norm", clip_returns_two_numbers, "total norm", "ONE number"),
+    ("ring_all_reduce", ring_raises, "your function", "your function raised"),
 ])
 def test_checker_fails_known_wrong_versions(pools, name, wrong, what, hint):
     failure = check(name, wrong, pools, WORLDS, FEW)
