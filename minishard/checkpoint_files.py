@@ -31,7 +31,7 @@ from minishard.layout import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
-           "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
+           "DCP_METADATA", "SafeDCPReader", "EXTRA", "check_loadable", "check_dcp", "DCP_DIGESTS", "file_sha256",
            "dcp_data_files", "check_dcp_digests"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
@@ -40,6 +40,7 @@ DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; D
 # 1: slices of the flat buffers (before parameters kept their names); 2: rows of each parameter
 FORMAT_VERSION = 2
 META = "meta.pt"
+EXTRA = "extra.pt"  # save_checkpoint(extra=...): every rank's own state, by rank
 
 
 class CheckpointError(RuntimeError):
@@ -125,6 +126,23 @@ def read_checked(file: str, expect: dict | None = None):
             "truncated or corrupted. Load an earlier checkpoint (latest_checkpoint(root)).") from exc
 
 
+def check_loadable(obj, what: str) -> None:
+    """Raise a CheckpointError unless ``obj`` survives ``torch.save`` and the
+    ``torch.load(weights_only=True)`` every checkpoint file is read with."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{what} cannot be saved: {type(exc).__name__}: {str(exc).splitlines()[0]}. "
+            "Checkpoints are read with torch.load(weights_only=True), which never runs code from "
+            "a file: pass numbers, strings, tensors (torch.get_rng_state() is one; a numpy array: "
+            "torch.from_numpy(a)) and lists, tuples or dicts of them (random.getstate() is "
+            "one).") from exc
+
+
 def _size_problem(file: str, size: int, recorded: int) -> str:
     return (f"{file} has {size} bytes but meta.pt recorded {recorded}: it is truncated or was "
             "overwritten after the checkpoint was saved. Load an earlier checkpoint "
@@ -134,7 +152,8 @@ def _size_problem(file: str, size: int, recorded: int) -> str:
 def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     """Return the metadata of the checkpoint at ``path`` if it is complete; otherwise raise a
     :class:`CheckpointError` that names what is wrong. Complete: meta.pt exists, is readable, and
-    every rank file it lists exists with the recorded size (and sha256, with ``checksums``).
+    every file it lists (the ranks', and extra.pt if any) exists with the recorded size (and
+    sha256, with ``checksums``).
     A torch.distributed.checkpoint directory (``.metadata``): complete when ``.metadata`` is
     readable and every data file holds the bytes it records; with ``checksums``, its files
     also match the sha256 digests minishard writes beside it (:func:`check_dcp_digests`).
@@ -174,7 +193,7 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
                 f"checkpoint at {path} is inconsistent: {META} says world size {world}, but "
                 f"parameter {param['name']!r} was cut into the rows {rows}. Load an earlier "
                 "checkpoint.")
-    for info in meta["files"]:
+    for info in meta["files"] + [e for e in [meta.get("extra_file")] if e]:
         file = os.path.join(path, info["name"])
         if not os.path.exists(file):
             raise CheckpointError(f"checkpoint at {path} is incomplete: {info['name']} is missing. "

@@ -5,6 +5,7 @@ A checkpoint is a directory. Save each step into a fresh one (``checkpoint_path(
     ckpt/step-000002/
         rank0-of-2.pt   rank 0's rows of every parameter: values + optimizer state
         rank1-of-2.pt   rank 1's rows
+        extra.pt        (with ``extra=``) every rank's own state: the step, RNG states...
         meta.pt         written LAST, by rank 0, once every rank's file is in place
 
 **The rows.** Every parameter is cut the same way, whatever the stage: with N ranks and R rows
@@ -39,7 +40,9 @@ state dict a plain ``torch.optim`` optimizer over the UNWRAPPED model would have
 ``model.full_state_dict()`` plus it resume training in a single process.
 
 Every function here is collective (call it on every rank, in the same order) unless its docstring
-says otherwise. Data-loader position, RNG state and LR schedulers are the caller's to save.
+says otherwise. The training loop's own state (the step, the best loss, every rank's RNG state, an
+LR scheduler's ``state_dict()``) travels as ``save_checkpoint(..., extra={...})``: extra.pt, every
+rank's by rank, written before the marker, returned by :func:`load_checkpoint` to each rank.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ import struct
 import torch
 
 from minishard import checkpoint_files, comm
-from minishard.checkpoint_files import (DCP_DIGESTS, DCP_METADATA, FORMAT_VERSION, META,
+from minishard.checkpoint_files import (DCP_DIGESTS, DCP_METADATA, EXTRA, FORMAT_VERSION, META,
                                         CheckpointError, atomic_save, check_checkpoint,
                                         checkpoint_path, latest_checkpoint, saved_piece,
                                         saved_rows, shard_file_name)
@@ -67,14 +70,19 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_che
 
 
 # ------------------------------------------------------------------------------------- save
-def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
+def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=None,
                     overwrite: bool = False, format: str = "minishard") -> None:
     """Save ``model`` (a ``minishard.ZeRO``) and its ``optimizer`` into the directory ``path``.
 
+    ``extra``: this rank's own state to keep with them, as nanoGPT's checkpoint dict keeps
+    ``iter_num`` and ``best_val_loss`` and torchtitan's its train state: a dict of numbers,
+    strings, tensors (``torch.get_rng_state()``) and containers of them, which may differ
+    between ranks. :func:`load_checkpoint` returns it to the same rank, in either format.
+
     ``format="minishard"``: the rank files and meta.pt described above. ``format="dcp"``: a
     torch.distributed.checkpoint directory holding ``{"model": ..., "optim": ...}`` exactly as
-    FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them, which FSDP2 and
-    torchtitan load (dcp_checkpoint.py). :func:`load_checkpoint` reads either.
+    FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them, which FSDP2 loads
+    (dcp_checkpoint.py). :func:`load_checkpoint` reads either, and torchtitan's layout too.
 
     Collective. Every rank writes its own file; then they tell rank 0 the size and sha256 of
     what they wrote (an all-gather, which is also the barrier: it cannot finish before every
@@ -87,16 +95,20 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *,
     (replicate rank 0) writes, one file per rank of its shard group; the others wait for it
     and raise if it failed. The files are those of S ranks: load them at any world size.
     """
-    writers = {"minishard": _save_shards, "dcp": save_dcp}
-    if format not in writers:
+    if format not in ("minishard", "dcp"):
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
     path = os.fspath(path)
     if format == "dcp":
         init_optimizer_state(optimizer)
+    extras = _gather_extras(extra, model.every_group)
 
     def write() -> None:
         _make_room(path, model.group, overwrite)
-        writers[format](path, model, optimizer)
+        record = _write_extras(path, extras, model.group)  # before the marker: see there
+        if format == "dcp":
+            save_dcp(path, model, optimizer)
+        else:
+            _save_shards(path, model, optimizer, record)
 
     replicas = getattr(model, "replicate_group", None)
     if replicas is None:
@@ -130,7 +142,40 @@ def _make_room(path: str, group, overwrite: bool) -> None:
         comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: previous marker removed")
 
 
-def _save_shards(path: str, model, optimizer) -> None:
+def _gather_extras(extra, every) -> list:
+    """Every rank's ``extra`` (None where none was given), on every rank, once every rank has
+    checked that its own can be saved and read back."""
+    error = None
+    try:
+        checkpoint_files.check_loadable(extra, "save_checkpoint(extra=...)")
+    except CheckpointError as exc:
+        error = exc
+    raise_together(error, [every], "checkpoint: extra checked", CheckpointError(
+        "another rank's save_checkpoint(extra=...) cannot be saved (its error says why)"))
+    return comm.all_gather_object(extra, every, tag="checkpoint: extra")
+
+
+def _write_extras(path: str, extras: list, group) -> dict | None:
+    """Rank 0 writes extra.pt (every rank's ``extra``, by rank) BEFORE the checkpoint's marker,
+    so a complete checkpoint holds it; without any, it removes one an interrupted save left
+    here. Returns extra.pt's record for meta.pt (on rank 0)."""
+    error = record = None
+    if comm.group_rank(group) == 0:
+        file = os.path.join(path, EXTRA)
+        try:
+            if any(e is not None for e in extras):
+                size, digest = atomic_save({"ranks": extras}, file)
+                record = {"name": EXTRA, "bytes": size, "sha256": digest.hex()}
+            elif os.path.exists(file):
+                os.remove(file)
+        except Exception as exc:  # still join the verdict, or the other ranks would hang
+            error = exc
+    raise_together(error, [group], "checkpoint: extra written", CheckpointError(
+        f"rank 0 could not write {EXTRA} into {path}"))
+    return record
+
+
+def _save_shards(path: str, model, optimizer, extra_file: dict | None) -> None:
     """save_checkpoint on the ranks of ONE shard group (all of them, without replicas)."""
     group = model.group
     rank, world = comm.group_rank(group), comm.group_size(group)
@@ -161,7 +206,8 @@ def _save_shards(path: str, model, optimizer) -> None:
     # 3. meta.pt, last.
     if rank == 0:
         try:  # building meta.pt may raise too: the other ranks wait below for rank 0's word
-            atomic_save(_meta(model, optimizer, world, table, groups), meta_file)
+            atomic_save({**_meta(model, optimizer, world, table, groups),
+                         "extra_file": extra_file}, meta_file)
         except Exception as exc:
             error = exc
     raise_together(error, [group], "checkpoint: meta written", CheckpointError(
@@ -275,7 +321,10 @@ def _check_same_optimizer(path: str, meta: dict, model, optimizer) -> list[dict]
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     """Load the checkpoint at ``path`` into ``model`` (a ``minishard.ZeRO``) and ``optimizer``
-    (built over ``model.parameters()``, as for training). Returns the checkpoint's metadata.
+    (built over ``model.parameters()``, as for training). Returns the checkpoint's metadata,
+    with ``"extra"``: what this rank (its rank among all the engine's ranks) passed as
+    ``save_checkpoint(extra=...)`` (None if nothing, or if the saving run had fewer ranks), and
+    ``"extras"``: every saving rank's, by rank (None if none was saved).
 
     Collective. The world size and the stage may differ from the saving run's: each rank works
     out which rows of each parameter it holds now, opens only the saved ranks' files that overlap
@@ -290,11 +339,13 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     path, group = os.fspath(path), model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
+        extras = _read_extras(path, None, model.every_group, together=True)
         _apply(model, optimizer, masters, buffers, optim_sd)
-        return {"format": "dcp", "param_groups": saved_groups}
-    error = None
+        return {"format": "dcp", "param_groups": saved_groups, **extras}
+    error = extras = None
     try:
         meta = check_checkpoint(path, checksums=False)  # sha256 is checked as each file is read
+        extras = _read_extras(path, meta.get("extra_file"), model.every_group, together=False)
         _check_same_model(path, meta, model)
         saved_groups = (_check_same_optimizer(path, meta, model, optimizer)
                         if optimizer is not None else None)
@@ -318,7 +369,28 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
                        "nothing was loaded"))
 
     _apply(model, optimizer, masters, meta["buffers"], optim_sd)
-    return meta
+    return {**meta, **extras}
+
+
+def _read_extras(path: str, record: dict | None, every, together: bool) -> dict:
+    """``{"extra": this rank's (its rank in ``every``), "extras": every saving rank's}`` from
+    extra.pt, checked against meta.pt's ``record`` if given. ``together``: the ranks of
+    ``every`` raise together when one cannot read it (else the caller does that)."""
+    error, extras = None, None
+    file = os.path.join(path, EXTRA)
+    try:
+        if record is not None or (together and os.path.exists(file)):
+            extras = checkpoint_files.read_checked(file, record)["ranks"]
+    except Exception as exc:
+        if not together:
+            raise
+        error = exc
+    if together:
+        raise_together(error, [every], "checkpoint: extra read", CheckpointError(
+            f"another rank could not read {file} (its error names the problem); nothing was "
+            "loaded"))
+    rank = comm.group_rank(every)
+    return {"extra": extras[rank] if extras and rank < len(extras) else None, "extras": extras}
 
 
 def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None) -> None:
