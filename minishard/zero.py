@@ -42,7 +42,6 @@ A unit that got no gradient keeps ``grad=None``, as in one process (find_unused_
 unit only SOME ranks used is reduced with zeros from the others, in an order every rank shares:
 reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
-
 Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
@@ -179,7 +178,8 @@ class ZeRO(trace.Traced, nn.Module):
                                 bucket_bytes=bucket_bytes, reduce_dtype=mp.reduce_dtype,
                                 find_unused=find_unused_parameters, every_group=groups.every,
                                 log=self._meters.log)
-        self._pass, self._sync_grads = Pass.FORWARD, True  # see _start_backward, no_sync()
+        self._pass = Pass.FORWARD  # see _start_backward
+        self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         for unit in self.units:     # stage 3 starts sharded; the others keep full params
             self._reshard(unit)
         self.refresh_full_params()  # deferred init filled only an OWN buffer's shard
@@ -226,7 +226,7 @@ class ZeRO(trace.Traced, nn.Module):
                     t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
         # During backward (activation-checkpoint recomputation) the params are still needed.
         if self.policy.free_after_forward and self._pass is not Pass.BACKWARD:
-            unit.release(self._meters.on_free)  # stand-ins: a read by another unit's forward is named
+            unit.release(self._meters.on_free)  # stand-ins: another unit's read is named
             if unit.module is self.module:
                 self._to_sharded()  # the forward is over: the user parameters again
 
@@ -235,7 +235,7 @@ class ZeRO(trace.Traced, nn.Module):
         self._start_backward()
         self._gathers.gather(unit, Pass.BACKWARD)
         if self.policy.free_after_forward:
-            unit.to_unsharded(fresh=False)  # a checkpointed part of the unit recomputes from its attributes
+            unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
         self._meters.log_backward(unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
@@ -244,12 +244,12 @@ class ZeRO(trace.Traced, nn.Module):
         unit = self.units[i]
         self._start_backward()
         self._meters.note_full_grads(self._reducer.in_flight_bytes())
-        if self._sync_grads:
+        if self.require_backward_grad_sync:
             self._reducer.grad_ready(unit, j)
         if self.policy.free_after_forward:
             unit.release(self._meters.on_free, j)
 
-    def _release_frozen(self, i: int) -> None:
+    def _release_frozen(self, i: int) -> None:  # after the backward of a unit with frozen flats
         self.units[i].release_frozen(self._meters.on_free)
 
     def _start_backward(self) -> None:
@@ -261,7 +261,7 @@ class ZeRO(trace.Traced, nn.Module):
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass: the reductions not
         launched yet are launched, every one is waited for (reductions.py), stage 3 frees."""
-        self._reducer.finish(self._sync_grads)
+        self._reducer.finish(self.require_backward_grad_sync)
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)
@@ -298,11 +298,11 @@ class ZeRO(trace.Traced, nn.Module):
         FULL gradient (more memory) until the first backward outside the block reduces the sum
         (stage 3 still all-gathers the parameters it freed, as FSDP does). Without it, every
         backward reduces: less memory, more communication, the same numbers."""
-        previous, self._sync_grads = self._sync_grads, False
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:
-            self._sync_grads = previous
+            self.require_backward_grad_sync = previous
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

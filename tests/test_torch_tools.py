@@ -4,12 +4,15 @@ The oracles, unmodified:
   * One process on the global batch: torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the
     plain model, then an SGD step. The wrapped model, at any stage and world size 1-4 (3 and 4:
     uneven rows and empty shards), with a tied weight, a frozen parameter and a 0-dim one, with
-    or without prefetch, buckets or no_sync accumulation, and on a 2x2 mesh, calls the SAME torch function on ``model.parameters()``: its return value is the true
-    norm, and the parameters after the step are one process's.
+    or without prefetch, buckets or accumulation (``no_sync()`` or DDP's
+    ``require_backward_grad_sync`` flag, nanoGPT's spelling), and on a 2x2 mesh, calls the SAME
+    torch function on ``model.parameters()``: its return value is the true norm, and the
+    parameters after the step are one process's.
   * FSDP2, through torch's state-dict API and DCP (test_dcp.py's helpers): what minishard
     saves with ``get_state_dict(model.module, opt)`` + ``dcp.save``, FSDP2 loads at another
     world size holding exactly minishard's full export; and the other way.
 """
+import contextlib
 import math
 
 import pytest
@@ -81,8 +84,19 @@ def one_process(kind, value, norm_type):
     return (None if out is None else float(out)), weights(net.state_dict())
 
 
+def by_flag(model):
+    """DDP's other spelling of no_sync, the one nanoGPT's train.py uses: the flag, set per
+    micro-batch."""
+    @contextlib.contextmanager
+    def no_sync():
+        model.require_backward_grad_sync = False
+        yield
+        model.require_backward_grad_sync = True
+    return no_sync
+
+
 def wrapped(stage, kind, value, norm_type, hybrid=False, prefetch=False, bucket_bytes=0,
-            no_sync=False):
+            no_sync="no"):
     world, rank = ws_rank()
     torch.manual_seed(0)
     mesh = None
@@ -93,7 +107,7 @@ def wrapped(stage, kind, value, norm_type, hybrid=False, prefetch=False, bucket_
                  bucket_bytes=bucket_bytes if stage >= 2 else 0)
     with comm.ledger() as led:
         out = step_with(model, clip_fn(kind, value, norm_type), world, rank,
-                        model.no_sync if no_sync else None)
+                        {"no": None, "context": model.no_sync, "flag": by_flag(model)}[no_sync])
     seen = [e.tag for e in led.entries if e.tag.startswith("torch ")]
     return (None if out is None else float(plain(out))), weights(model.full_state_dict()), seen
 
@@ -101,13 +115,16 @@ def wrapped(stage, kind, value, norm_type, hybrid=False, prefetch=False, bucket_
 @settings(max_examples=12)
 @given(world=st.integers(1, 4), stage=st.integers(0, 3), kind=st.sampled_from(["norm", "value"]),
        norm_type=st.sampled_from([1.0, 2.0, math.inf]), value=st.sampled_from([1e-3, 0.05, 1e3]),
-       prefetch=st.booleans(), bucket_bytes=st.sampled_from([0, 4096]), no_sync=st.booleans())
+       prefetch=st.booleans(), bucket_bytes=st.sampled_from([0, 4096]),
+       no_sync=st.sampled_from(["no", "context", "flag"]))
 @example(world=3, stage=3, kind="norm", norm_type=2.0, value=0.05, prefetch=False,
-         bucket_bytes=4096, no_sync=True)
+         bucket_bytes=4096, no_sync="context")
 @example(world=3, stage=1, kind="norm", norm_type=math.inf, value=1e-3, prefetch=True,
-         bucket_bytes=0, no_sync=False)
+         bucket_bytes=0, no_sync="no")
 @example(world=2, stage=2, kind="value", norm_type=2.0, value=1e-3, prefetch=False,
-         bucket_bytes=4096, no_sync=True)
+         bucket_bytes=4096, no_sync="flag")
+@example(world=3, stage=0, kind="norm", norm_type=2.0, value=0.05, prefetch=False,
+         bucket_bytes=0, no_sync="flag")
 def test_torch_clip_on_model_parameters_equals_one_process(pools, world, stage, kind, norm_type,
                                                            value, prefetch, bucket_bytes,
                                                            no_sync):
