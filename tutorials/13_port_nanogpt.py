@@ -1,0 +1,263 @@
+"""Tutorial 13: nanoGPT's model and training step, ported to ZeRO stage 3, line by line.
+
+    torchrun --standalone --nproc_per_node=2 tutorials/13_port_nanogpt.py     (1 to 4 ranks)
+
+nanoGPT (github.com/karpathy/nanoGPT, MIT licence) trains with DDP. Its model.py is written out
+below in its own shape (smaller, the same modules, the same initialisation, the same
+``configure_optimizers``), and its train.py's loop as ``train()``. Every line that differs from
+train.py under DDP is marked ``# PORT:`` in the code; here is each one, and why:
+
+    nanoGPT (DDP)                                       minishard stage 3
+    optimizer = model.configure_optimizers(...)         the same call, moved AFTER wrapping:
+      (before DDP(...))                                 stages 1-3 replace the parameters with
+                                                        DTensors of this rank's rows (FSDP2's
+                                                        rule); one built before is refused
+    model = DDP(model, device_ids=[ddp_local_rank])     model = minishard.ZeRO(model, stage=3,
+                                                        units={Block})  (each Block gathers and
+                                                        frees on its own; the tied wte/lm_head
+                                                        weight lives in the root unit)
+    lossf = loss.item() * gradient_accumulation_steps   the same, then all-reduced: rank 0 alone
+      (rank 0's own loss)                               logs the mean over EVERY rank's batches
+    torch.save({'model': raw_model.state_dict(),        minishard.save_checkpoint(dir, model,
+      'optimizer': optimizer.state_dict(),              optimizer, extra={'iter_num': ...,
+      'iter_num': ..., 'best_val_loss': ...}, f)        'best_val_loss': ...}) on EVERY rank: a
+      on rank 0 only                                    rank-0 dict would hold rank 0's rows only
+    checkpoint = torch.load(f); ...load_state_dict      meta = minishard.load_checkpoint(dir,
+      iter_num = checkpoint['iter_num']                 model, optimizer); meta['extra']['iter_num']
+
+Unchanged, and why that is right: ``model.require_backward_grad_sync = (micro_step ==
+gradient_accumulation_steps - 1)`` (ZeRO honours DDP's flag: False accumulates as ``no_sync()``);
+``torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)`` (DTensor gradients: the global
+norm, one factor on every rank); ``configure_optimizers``'s ``p.dim() >= 2`` (a DTensor's dim is
+the parameter's); ``estimate_loss()`` under ``torch.no_grad()`` at stage 3 (forward-only gathers).
+On CPU, where nanoGPT does not pass ``fused=True`` (it does on CUDA), give AdamW
+``foreach=True``: each op on a DTensor pays a Python dispatch (README, "torch's tools see the
+shards").
+
+One change is for this lesson only: nanoGPT samples each rank's batches with its own seed. Here
+a batch is a function of (iteration, micro-batch number over ALL ranks), so that the run can
+be compared with ONE process doing every micro-batch of an iteration: the port must give the
+same weights (float64, so only the order of sums differs: about 1e-13). Then a resume: save at
+iteration 3, load into a fresh model, finish: bit for bit the uninterrupted run.
+"""
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import minishard
+
+# ------------------------------------------------------------------- nanoGPT's model.py, small
+N_LAYER, N_HEAD, N_EMBD, BLOCK_SIZE, VOCAB = 2, 2, 32, 16, 64
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (nanoGPT's: torch's has no bias=False before 2.1)."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_attn = nn.Linear(N_EMBD, 3 * N_EMBD)
+        self.c_proj = nn.Linear(N_EMBD, N_EMBD)
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(N_EMBD, dim=2)
+        q, k, v = (t.view(B, T, N_HEAD, C // N_HEAD).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c_fc = nn.Linear(N_EMBD, 4 * N_EMBD)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * N_EMBD, N_EMBD)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln_1, self.attn = LayerNorm(N_EMBD, bias=True), CausalSelfAttention()
+        self.ln_2, self.mlp = LayerNorm(N_EMBD, bias=True), MLP()
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(VOCAB, N_EMBD), wpe=nn.Embedding(BLOCK_SIZE, N_EMBD),
+            h=nn.ModuleList([Block() for _ in range(N_LAYER)]), ln_f=LayerNorm(N_EMBD, bias=True)))
+        self.lm_head = nn.Linear(N_EMBD, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        for pn, p in self.named_parameters():  # scaled init of the residual projections
+            if pn.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * N_LAYER))
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets):
+        pos = torch.arange(idx.size(1), dtype=torch.long)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas):
+        params = {pn: p for pn, p in self.named_parameters() if p.requires_grad}
+        decay = [p for p in params.values() if p.dim() >= 2]     # matmuls and embeddings
+        nodecay = [p for p in params.values() if p.dim() < 2]   # biases and layernorms
+        groups = [{"params": decay, "weight_decay": weight_decay},
+                  {"params": nodecay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)  # fused=True on CUDA
+
+
+# ------------------------------------------------------------------- nanoGPT's train.py, short
+BATCH_SIZE, GRAD_ACCUM, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS, GRAD_CLIP = 2, 12, 6, 3, 2, 1.0
+LEARNING_RATE, WEIGHT_DECAY, BETAS = 1e-2, 0.1, (0.9, 0.95)
+DATA = torch.Generator().manual_seed(7)
+TOKENS = {split: torch.randint(VOCAB, (4000,), generator=DATA) for split in ("train", "val")}
+
+
+def get_batch(split, it, sample):
+    """Lesson-only change: batch number ``sample`` of iteration ``it`` (not a per-rank seed)."""
+    g = torch.Generator().manual_seed(1000 * it + sample + (500_000 if split == "val" else 0))
+    ix = torch.randint(len(TOKENS[split]) - BLOCK_SIZE, (BATCH_SIZE,), generator=g)
+    x = torch.stack([TOKENS[split][i:i + BLOCK_SIZE] for i in ix])
+    y = torch.stack([TOKENS[split][i + 1:i + 1 + BLOCK_SIZE] for i in ix])
+    return x, y
+
+
+@torch.no_grad()
+def estimate_loss(model, it, rank, world):
+    out = {}
+    model.eval()
+    for split in ("train", "val"):
+        losses = torch.zeros(EVAL_ITERS)
+        for k in range(EVAL_ITERS):
+            _, loss = model(*get_batch(split, it, k * world + rank))
+            losses[k] = loss.item()
+        out[split] = losses.mean()
+    model.train()
+    return out
+
+
+def lr_at(it):  # nanoGPT's warmup + cosine decay, shortened
+    warmup, min_lr = 2, LEARNING_RATE / 10
+    if it < warmup:
+        return LEARNING_RATE * (it + 1) / (warmup + 1)
+    return min_lr + 0.5 * (1 + math.cos(math.pi * (it - warmup) / MAX_ITERS)) * (LEARNING_RATE - min_lr)
+
+
+def train(rank, world, ddp, out_dir, stop_at=MAX_ITERS, resume=False, say=print):
+    """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch)."""
+    torch.manual_seed(1337)
+    model = GPT()
+    grad_accum = GRAD_ACCUM // world if ddp else GRAD_ACCUM  # as nanoGPT: tokens/iter fixed
+    if ddp:
+        model = minishard.ZeRO(model, stage=3, units={Block})  # PORT: was DDP(model, ...)
+    raw_model = model.module if ddp else model
+    optimizer = raw_model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, BETAS)  # PORT: after
+    iter_num, best_val_loss = 0, 1e9
+    if resume:
+        meta = minishard.load_checkpoint(out_dir, model, optimizer)  # PORT: was torch.load
+        iter_num, best_val_loss = meta["extra"]["iter_num"], meta["extra"]["best_val_loss"]
+    while iter_num < stop_at:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(iter_num)
+        if iter_num % EVAL_INTERVAL == 0 and iter_num > 0:
+            losses = estimate_loss(model, iter_num, rank if ddp else 0, world if ddp else 1)
+            say(f"  step {iter_num}: train loss {losses['train']:.4f}, val {losses['val']:.4f}")
+            best_val_loss = min(best_val_loss, losses["val"].item())
+            if ddp and iter_num == 3 and not resume:  # PORT: every rank, its rows + extra state
+                minishard.save_checkpoint(out_dir, model, optimizer, extra={
+                    "iter_num": iter_num, "best_val_loss": best_val_loss})
+        for micro_step in range(grad_accum):
+            if ddp:
+                model.require_backward_grad_sync = (micro_step == grad_accum - 1)
+            sample = (rank * grad_accum if ddp else 0) + micro_step
+            _, loss = model(*get_batch("train", iter_num, sample))
+            loss = loss / grad_accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lossf = loss.detach() * grad_accum
+        if ddp:  # PORT: the mean over every rank's last micro-batch, not rank 0's alone
+            dist.all_reduce(lossf)
+            lossf /= world
+        say(f"  iter {iter_num}: loss {lossf.item():.4f}")
+        iter_num += 1
+    return model
+
+
+def weights(model) -> dict:
+    """Full tensors under nanoGPT's own names, on every rank (a plain model: its state dict)."""
+    if isinstance(model, minishard.ZeRO):
+        return model.full_state_dict()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def main(rank: int, world: int) -> None:
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.set_default_dtype(torch.float64)  # so the comparison sees only the order of sums
+    out_dir = tempfile.mkdtemp() if rank == 0 else None
+    box = [out_dir]
+    dist.broadcast_object_list(box, src=0)
+    out_dir = os.path.join(box[0], "ckpt")
+    try:
+        say(f"1. nanoGPT's loop at stage 3, {world} rank(s), {GRAD_ACCUM // world} micro-batches "
+            "each per iteration:")
+        ported = weights(train(rank, world, ddp=True, out_dir=out_dir, say=say))
+        say("2. one process, all 12 micro-batches of each iteration (the oracle; as nanoGPT, "
+            "each log line is the last micro-batch's loss, here another sample than the port's):")
+        single = weights(train(0, 1, ddp=False, out_dir=None, say=say))
+        gap = max((ported[k] - single[k]).abs().max().item() for k in single)
+        say(f"   largest weight difference, port vs one process: {gap:.1e}")
+        assert ported.keys() == single.keys() and gap < 1e-10, gap
+        say("3. resume: a fresh model loads the iteration-3 checkpoint and finishes")
+        resumed = weights(train(rank, world, ddp=True, out_dir=out_dir, resume=True, say=say))
+        assert all(torch.equal(resumed[k], ported[k]) for k in ported)
+        say("   resumed == uninterrupted, bit for bit (weights and AdamW state came back; "
+            "iter_num and best_val_loss from extra=)")
+        say("\nAll assertions held.")
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(box[0], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    with minishard.launch.session(world_sizes={1, 2, 3, 4}, why="12 micro-batches split evenly") \
+            as (rank, world):
+        main(rank, world)
