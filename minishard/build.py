@@ -145,7 +145,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
                deferred: DeferredInit | None, meter: WrapMeter) -> None:
     """One flat buffer per (dtype, requires_grad, param group, compute dtype) of ``unit``'s
     parameters. Mixed precision computes floating parameters in ``param_dtype``, except a
-    BatchNorm's, kept in their own dtype as FSDP keeps them: torch's batch norm takes a half
+    BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's batch norm takes a half
     input with fp32 weights and fp32 running statistics, not half weights with fp32 statistics."""
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for p in params:  # deferred init puts every parameter on one device, real ones too

@@ -35,7 +35,7 @@ __all__ = [
     "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS",
 ]
 
-# The flat-tensor collectives: torch 2.13's names, else those of torch 2.4-2.12.
+# The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

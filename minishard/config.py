@@ -73,7 +73,7 @@ class MixedPrecision:
     """Compute in ``param_dtype``, reduce gradients in ``reduce_dtype``, keep buffers in
     ``buffer_dtype``; the shards the optimizer owns stay in the parameters' own dtype (the fp32
     master copy). Parameters are cast BEFORE the all-gather, so gathers move param_dtype bytes.
-    BatchNorm layers are never cast, weights nor running statistics (build.py, as FSDP)."""
+    BatchNorm layers are never cast, weights nor running statistics (build.py, as FSDP1)."""
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None

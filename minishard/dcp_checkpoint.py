@@ -1,5 +1,6 @@
-"""Checkpoints in torch.distributed.checkpoint's format (DCP): the directories FSDP2 and
-torchtitan write, written and read by minishard at any world size and stage.
+"""Checkpoints in torch.distributed.checkpoint's format (DCP): written as FSDP2's state-dict API
+lays them out (FSDP2 loads them), read in that layout or torchtitan's, by minishard at any world
+size and stage.
 
     save_checkpoint(path, model, optimizer, format="dcp")   path/.metadata  path/__0_0.distcp ...
     load_checkpoint(path, model, optimizer)                 any such directory, whoever wrote it

@@ -213,7 +213,7 @@ def test_each_rank_reads_only_the_files_it_needs(pools, tmp_path):
     root = fresh(tmp_path)
     pools(4).run(save_steps, root, 1)
     # every flat is cut in 4 at the save; at 2 ranks, rank 0 holds the first half of each flat
-    # (old ranks 0-1) and rank 1 the second half (old ranks 2-3; the 3-element gate: old rank 2)
+    # (saved ranks 0-1) and rank 1 the second half (saved ranks 2-3; the 3-element gate: rank 2)
     opened = pools(2).run(load_recording_reads, checkpoint_path(root, 1))
     assert opened == [["meta.pt", "rank0-of-4.pt", "rank1-of-4.pt"],
                       ["meta.pt", "rank2-of-4.pt", "rank3-of-4.pt"]]

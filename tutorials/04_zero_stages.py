@@ -19,7 +19,8 @@ that both equal the formulas. Stage 3 pays for its memory with one extra all-gat
 First, though: WHICH 1/N does a rank hold? Two layouts are in use. Take a unit with parameters
 a (3x2), b (3) and c (5) on N = 2 ranks (one label per element: a1 is an element of a's row 1):
 
-    FSDP1 / DeepSpeed stages 1-2: concatenate, pad the END to a multiple of N, cut in N 1-D pieces
+    FSDP1 / DeepSpeed stages 1-2: concatenate, pad the END to a multiple of N (DeepSpeed: of 2N;
+    FSDP1 with use_orig_params=True also aligns each parameter to 16 bytes), cut in N 1-D pieces
     (DeepSpeed's ZeRO-3 cuts each parameter alone, flattened: N equal 1-D pieces of it)
         rank 0: [a0 a0 a1 a1 a2 a2 b0]      rank 1: [b1 b2 c0 c1 c2 c3 c4]
     FSDP2 / minishard: cut EACH parameter along dim 0 into N chunks of ceil(R/N) rows

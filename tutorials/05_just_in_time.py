@@ -16,7 +16,8 @@ lands the N shards in one buffer, rank after rank, and each parameter's rows are
 place, so the module computes with its own parameters at their full shapes. So the bytes a
 gather brings are every parameter padded to a multiple of N rows (not the unit's elements padded
 to a multiple of N, as when the concatenation is cut: FSDP1), and each gather, like each
-reduce-scatter of the gradients, costs one copy of the unit (none for a one-parameter unit).
+reduce-scatter of the gradients, costs one copy of the unit (minishard skips it for a
+one-parameter unit; FSDP2 always copies in and out).
 
 With ``--plot FILE.png`` it draws the three runs one above the other on one time axis: the
 full-parameter bytes held, forward and backward shaded, each unit's compute labelled, and the time

@@ -23,7 +23,7 @@ Everything a real loop needs, each piece with the reason it is there:
     ALL ranks load the checkpoint (resharded to the new world size) and must reach the same
     parameters;
   * the same checkpoint for the tools you go on to: ``format="dcp"`` writes a
-    torch.distributed.checkpoint directory, the one FSDP2 and torchtitan write, each parameter
+    torch.distributed.checkpoint directory laid out as FSDP2's state-dict API gives it, each parameter
     under its own name, each rank only its rows. Part 3 saves the resumed model that way and
     loads it into FSDP2 with torch's own calls (``get_state_dict``, ``dcp.load``,
     ``set_state_dict``): FSDP2's parameters must equal minishard's bit for bit.

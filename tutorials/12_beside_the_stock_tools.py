@@ -31,7 +31,8 @@ and asserts how they relate: equal names do not mean equal costs.
                  reduce-scattered after it: 5 passes per step here (with no_sync, 2 gathers per
                  micro-batch and one reduce-scatter)
         differs  minishard and FSDP2 cut each parameter along dim 0 and pad its rows to a
-                 multiple of N; FSDP1 cuts a unit's flat buffer and pads its END, so its passes
+                 multiple of N; FSDP1 cuts a unit's flat buffer and pads its END (with
+                 use_orig_params=True also between parameters, to 16-byte alignment), so its passes
                  are shorter when N does not divide the rows (but its shards are 1-D slices
                  across parameters: no names, shapes or per-parameter freezing); both FSDPs
                  keep some bytes of their own between steps beyond shards and momentum (printed)
@@ -76,7 +77,7 @@ stage=2
     DeepSpeed  "zero_optimization": {"stage": 2}
 stage=3
     FSDP1      FSDP(m, sharding_strategy=ShardingStrategy.FULL_SHARD)  (the default)
-    FSDP2      fully_shard(m)  (reshard_after_forward=True, the default)
+    FSDP2      fully_shard(m)  (reshard_after_forward's default: True, except for the root)
     DeepSpeed  "zero_optimization": {"stage": 3}
 units={Block}
     FSDP1      auto_wrap_policy=ModuleWrapPolicy({Block})
@@ -397,7 +398,8 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def padded(world: int) -> dict[str, int]:
     """Elements one pass over the parameters moves, by each tool's padding rule, from the
-    unwrapped block's shapes: FSDP1 pads a unit's flat buffer to a multiple of N; minishard and
+    unwrapped block's shapes: FSDP1 pads a unit's flat buffer to a multiple of N (and, with
+    use_orig_params=True, each parameter to a 16-byte boundary: none needed here); minishard and
     FSDP2 pad each parameter's dim 0 to a multiple of N; DDP and ZeroRedundancyOptimizer move
     the parameters as they are."""
     shapes = [p.shape for p in Block().parameters()]
