@@ -1,14 +1,14 @@
 """minishard: SyncBatchNorm and ZeRO-1/2/3 from raw torch.distributed collectives.
 
 Public names only; the modules tell the story. Reading order for the ZeRO engine: zero.py (the
-schedule), unit.py (a unit's work), flat.py (the bytes), comm.py (the collectives); then the
-features, each in its own file:
+schedule), unit.py (a unit's work), gathers.py and reductions.py (when collectives run), flat.py
+(the bytes), comm.py (the collectives); then the features, each in its own file:
   comm.py            the one door to collectives, and the debug check
   costs.py           what a collective costs: the Ledger that counts its bytes, the alpha-beta model
   syncbn.py          SyncBatchNorm (autograd Function + module) and convert/revert helpers
   zero.py            the ZeRO engine: the stage table, the four hooks, end of backward, public API
-  unit.py            a unit: its flat buffers, its parameters' places; gather, to_(un)sharded, release
-  flat.py            FlatBuffer: a unit's parameters as views of one padded 1-D buffer; its shard
+  unit.py            a unit: its flat buffers and places; gather, to_(un)sharded, release
+  flat.py            FlatBuffer: a unit's full buffer and shard; gather_params, reduce_grads
   layout.py          Layout: which rows of which parameter sit where (no storage)
   dtensors.py        the user parameters as DTensors of this rank's rows; DTensor's collectives
   reductions.py      gradient reductions: buckets, in-flight limit, find_unused's order and bitmap

@@ -31,8 +31,8 @@ from minishard.layout import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
-           "DCP_METADATA", "SafeDCPReader", "EXTRA", "check_loadable", "check_dcp", "DCP_DIGESTS", "file_sha256",
-           "dcp_data_files", "check_dcp_digests"]
+           "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
+           "dcp_data_files", "check_dcp_digests", "EXTRA", "check_loadable"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
 DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; DCP ignores it

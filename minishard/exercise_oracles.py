@@ -340,11 +340,10 @@ def _reduce_run(fn, case, rank, world):
     with comm.ledger() as led:
         got = fn(_full_grad(case, world, rank), numel, world, rank, reduce_scatter)
     hint = "reduce_scatter SUMS: divide by N for the average the optimizer needs"
-    if not isinstance(got, torch.Tensor) or got.dtype != want.dtype:
-        pass  # the checker's hint names the type or the dtype
-    elif got.shape == want.shape and real and torch.allclose(got, want * world):
-        hint = "this is the SUM over ranks (N x the average): divide by N"
-    elif got.shape != want.shape:
+    right_form = isinstance(got, torch.Tensor) and got.dtype == want.dtype  # else the checker
+    if right_form and got.shape == want.shape and real and torch.allclose(got, want * world):
+        hint = "this is the SUM over ranks (N x the average): divide by N"  # names type, dtype
+    elif right_form and got.shape != want.shape:
         hint = (f"this rank's piece has {real} REAL elements here, you returned "
                 f"{got.numel()}",
                 f"return only this rank's REAL elements ({real} here): the shard of k = "

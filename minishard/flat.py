@@ -25,14 +25,14 @@ one-element chunk holds it.
 
 The module's parameters are views of ``full`` while a unit computes, so autograd sums their
 gradients into ``full.grad`` in that layout; before the reduce-scatter, *copy-in* (one op)
-puts it in the rank-major (N x k) layout, and rank r receives its k elements: the gradient of its rows of every
-parameter, which become the user parameters' ``.grad`` (views, no copy). One collective per
-unit; the price is one copy of the unit's bytes per gather and per reduction (none when a unit
-has one parameter, or N = 1; FSDP2 always copies in and out). FSDP1 and DeepSpeed's stages 1-2
-cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): FSDP1 then gathers and reduces
-with no copy, but 1-D pieces across parameter boundaries lose names, shapes and per-parameter
-freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own,
-flattened to 1-D: elements, not rows.)
+puts it in the rank-major (N x k) layout, and rank r receives its k elements: the gradient of
+its rows of every parameter, which become the user parameters' ``.grad`` (views, no copy). One
+collective per unit; the price is one copy of the unit's bytes per gather and per reduction
+(none when a unit has one parameter, or N = 1; FSDP2 always copies in and out). FSDP1 and
+DeepSpeed's stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): FSDP1 then
+gathers and reduces with no copy, but 1-D pieces across parameter boundaries lose names, shapes
+and per-parameter freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to
+1-D: elements, not rows.)
 
 Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
 collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.

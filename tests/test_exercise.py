@@ -421,6 +421,26 @@ def _raises(shapes, world, rank):
     return 1 // 0
 
 
+def checks_that_crash():
+    """On a rank: an exercise whose own checks raise on what the solution returned (a safety net
+    no real exercise should need): reported as a failure, never raised."""
+    from minishard import exercise
+    from minishard.exercise_oracles import EXERCISES, Exercise
+    EXERCISES["_crashing"] = Exercise("_crashing", "", lambda rng, w, i: {},
+                                      lambda fn, case, r, w: (fn() + 1, None),
+                                      lambda case, r, w: "")
+    try:
+        return exercise._on_rank("_crashing", lambda: "text", {})[0]
+    finally:
+        del EXERCISES["_crashing"]
+
+
+def test_checks_that_cannot_use_an_output_report_it(pools):
+    for what, expected, got, hint in pools(2).run(checks_that_crash):
+        assert what == "what your function returned" and "TypeError" in got, got
+        assert "docstring" in hint
+
+
 def test_cli_list_hint_steps_and_a_passing_file(tmp_path, capsys):
     """The CLI counts failures per exercise in its attempts file: the second failure shows the
     next step of the hint, a pass starts the count again."""
