@@ -107,7 +107,7 @@ def gathered(units, writeback: bool, on_gather, put_back):
                 unit.gather_flat(flat, False, on_gather)
                 values = flat.unsharded_views(detached=True)
             unit.set_places(flat, [torch.nn.Parameter(v, requires_grad=p.requires_grad)
-                             for v, p in zip(values, flat.params)])
+                                   for v, p in zip(values, flat.params)])
     try:
         with torch.no_grad():
             yield

@@ -143,16 +143,20 @@ def _make_room(path: str, group, overwrite: bool) -> None:
 
 
 def _gather_extras(extra, every) -> list:
-    """Every rank's ``extra`` (None where none was given), on every rank, once every rank has
-    checked that its own can be saved and read back."""
-    error = None
+    """Every rank's ``extra`` (None where none was given), on every rank: each rank sends its
+    own, or why it cannot be saved and read back, so all of them raise together."""
     try:
         checkpoint_files.check_loadable(extra, "save_checkpoint(extra=...)")
+        mine = (extra, None)
     except CheckpointError as exc:
-        error = exc
-    raise_together(error, [every], "checkpoint: extra checked", CheckpointError(
-        "another rank's save_checkpoint(extra=...) cannot be saved (its error says why)"))
-    return comm.all_gather_object(extra, every, tag="checkpoint: extra")
+        mine = (None, str(exc))
+    sent = comm.all_gather_object(mine, every, tag="checkpoint: extra")
+    if mine[1] is not None:
+        raise CheckpointError(mine[1])
+    if any(error is not None for _, error in sent):
+        raise CheckpointError("another rank's save_checkpoint(extra=...) cannot be saved (its "
+                              "error says why); nothing was written")
+    return [value for value, _ in sent]
 
 
 def _write_extras(path: str, extras: list, group) -> dict | None:
