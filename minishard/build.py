@@ -35,7 +35,7 @@ from minishard.flat import FlatBuffer, FlatMode
 from minishard.meters import WrapMeter, storage_bytes
 from minishard.unit import Place, Unit, is_inside
 
-__all__ = ["unit_predicate", "build_units", "sync_initial_state"]
+__all__ = ["unit_predicate", "replicated_predicate", "build_units", "sync_initial_state"]
 
 
 def unit_predicate(units) -> Callable[[nn.Module], bool]:
@@ -48,6 +48,27 @@ def unit_predicate(units) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, classes)
 
 
+def replicated_predicate(replicate, persist_below: int) -> Callable[[nn.Parameter, list], bool]:
+    """``replicate=`` (like ``units=``: classes or a predicate on a module) and ``persist_below=``
+    as one question: is parameter ``p``, appearing at ``places``, kept whole on every rank? Yes
+    when the modules owning it directly match, or when it has fewer than persist_below
+    elements. A tied parameter whose modules disagree is refused: which would it be?"""
+    matches = unit_predicate(replicate)
+
+    def whole(p: nn.Parameter, places) -> bool:
+        if p.numel() < persist_below:
+            return True
+        answers = {bool(matches(place.module)) for place in places}
+        if len(answers) > 1:
+            raise ValueError(
+                f"ZeRO: parameter {places[0].fqn!r} is tied across modules that replicate= "
+                f"does and does not match ({', '.join(pl.fqn for pl in places)}); a parameter "
+                "is kept whole or sharded, not both. Make replicate= match all of its modules "
+                "or none.")
+        return answers.pop()
+    return whole
+
+
 def sync_initial_state(module: nn.Module, group) -> None:
     """Rank 0's values, broadcast: every rank starts from identical parameters and buffers."""
     with torch.no_grad():
@@ -57,13 +78,15 @@ def sync_initial_state(module: nn.Module, group) -> None:
 
 def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
                 param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
-                device=None, param_init_fn=None, meter: WrapMeter | None = None) -> list[Unit]:
+                whole=None, device=None, param_init_fn=None,
+                meter: WrapMeter | None = None) -> list[Unit]:
     """Find the units of ``root`` (``units=`` as ZeRO takes it), give every parameter to its
     owner, build the flat buffers on ``groups`` (config.Groups) and fill them.
 
     ``group_of(p)`` is the optimizer param group a parameter belongs to (0 when the user gave
     none): parameters of different groups never share a flat buffer, so each shard belongs to
-    exactly one group. Tensors on the meta device are materialised on ``device`` by
+    exactly one group. ``whole(p, places)`` (:func:`replicated_predicate`): is a parameter
+    kept whole on every rank? Tensors on the meta device are materialised on ``device`` by
     ``param_init_fn`` (deferred_init.py)."""
     deferred = None
     if has_meta_tensors(root):  # materialised below, broadcast from rank 0
@@ -82,7 +105,8 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     for uname in names:  # registration order, root first
         unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
         mine = [p for p in places if owner[p] == uname]
-        _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, deferred, meter)
+        _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, whole, deferred,
+                   meter)
         built.append(unit)
         if deferred is None:  # eager: free this unit's original tensors before the next unit
             _adopt(unit, meter)
@@ -142,18 +166,21 @@ def _owners(places, unit_paths: dict[str, str]) -> dict[nn.Parameter, str]:
 
 
 def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dtype, group_of,
-               deferred: DeferredInit | None, meter: WrapMeter) -> None:
-    """One flat buffer per (dtype, requires_grad, param group, compute dtype) of ``unit``'s
-    parameters. Mixed precision computes floating parameters in ``param_dtype``, except a
-    BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's batch norm takes a half
-    input with fp32 weights and fp32 running statistics, not half weights with fp32 statistics."""
+               whole, deferred: DeferredInit | None, meter: WrapMeter) -> None:
+    """One flat buffer per (dtype, requires_grad, param group, device, compute dtype, kept
+    whole) of ``unit``'s parameters. Mixed precision computes floating parameters in
+    ``param_dtype``, except a BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's
+    batch norm takes a half input with fp32 weights and fp32 running statistics, not half
+    weights with fp32 statistics. A buffer kept whole (replicated) at stages 1-3 is stage 0's:
+    mode NONE over every rank of the engine, its user parameters ``Replicate()`` DTensors."""
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for p in params:  # deferred init puts every parameter on one device, real ones too
         device = deferred.device if deferred else p.device
         batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
                          for place in places[p])
         compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
-        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute),
+        replicated = flat_mode is not FlatMode.NONE and whole is not None and whole(p, places[p])
+        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute, replicated),
                            []).append(p)
     devices = {key[3] for key in buckets}
     if len(devices) > 1:
@@ -162,17 +189,20 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
             f"{sorted(map(str, devices))}; a unit's flat buffer lives on one device. Move the "
             "module to one device (module.to(device)) or make the submodules on other devices "
             "units of their own.")
-    for (dtype, rg, pg, device, compute), ps in buckets.items():
+    for (dtype, rg, pg, device, compute, replicated), ps in buckets.items():
         tag = (f"{unit.name}/{str(dtype).replace('torch.', '')}{'' if rg else '/frozen'}"
                f"{f'/group{pg}' if pg else ''}"
-               f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}")
+               f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}"
+               f"{'/replicated' if replicated else ''}")
         cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
-        flat = FlatBuffer(layout, groups.shard, mode=flat_mode.under_cast(cast),
-                          param_dtype=compute, name=tag, replicate_group=groups.replicate,
+        mode = FlatMode.NONE if replicated else flat_mode
+        flat = FlatBuffer(layout, groups.every if replicated else groups.shard,
+                          mode=mode.under_cast(cast), param_dtype=compute, name=tag,
+                          replicate_group=None if replicated else groups.replicate,
                           device=deferred and deferred.device,
-                          spec=None if flat_mode is FlatMode.NONE else Spec(mesh_of(groups,
-                                                                                device.type)))
+                          spec=None if flat_mode is FlatMode.NONE else Spec(
+                              mesh_of(groups, device.type), whole=replicated))
         flat.param_group = pg  # which optimizer param group its shard belongs to
         unit.add_flat(flat, [places[p] for p in ps])
         meter.hold(flat.held_bytes())

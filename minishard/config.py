@@ -34,6 +34,15 @@ find_unused_parameters
     branch); reductions are then launched at the end of backward (reductions.py, [Note:
     find_unused]). Without it (the default, as DDP's), every rank must reach the same units in
     backward; a unit that none reached keeps ``grad=None``.
+replicate / persist_below
+    Stages 1-3: parameters kept WHOLE on every rank, beside the sharded ones (FSDP2's
+    ``replicate`` on some modules, DeepSpeed's ``stage3_param_persistence_threshold``).
+    ``replicate``: module classes or a predicate, like ``units``; every parameter a matching
+    module owns directly is replicated. ``persist_below=n``: so is every parameter of fewer
+    than n elements. A replicated parameter is a ``Replicate()`` DTensor; it is never gathered
+    nor freed, its gradient is all-reduced (avg) over every rank as DDP's, in a bucket of its
+    own (config.BUCKET_BYTES), and the optimizer holds its whole state on every rank. Default
+    0: none (PERSIST_BELOW_MEASURED).
 device / param_init_fn
     Deferred init (deferred_init.py): where meta tensors are materialised (default: the current
     CUDA device if there is one, else the CPU), and ``fn(module)`` initialising a module's OWN
@@ -142,7 +151,7 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
 
 # ----------------------------------------------------------------------------- the checks
 def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, process_group,
-                    mesh, find_unused: bool, bucket_bytes: int) -> Groups:
+                    mesh, find_unused: bool, bucket_bytes: int, persist_below: int) -> Groups:
     """Every check that needs no collective, in this order; returns the engine's groups.
     ``policy`` is zero.py's row for ``stage`` (None: no such stage)."""
     if policy is None:
@@ -163,6 +172,9 @@ def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, pr
     groups = resolve_groups(mesh, process_group, stage)
     if bucket_bytes < 0:
         raise ValueError(f"ZeRO: bucket_bytes must be >= 0, got {bucket_bytes!r}")
+    if not isinstance(persist_below, int) or persist_below < 0:
+        raise ValueError(f"ZeRO: persist_below must be an int >= 0 (an element count), got "
+                         f"{persist_below!r}")
     return groups
 
 

@@ -13,6 +13,7 @@ flat buffer (no copy), its *placement* says how the rows make the whole::
     1-D mesh (the shard group)            Shard(0)                 rank r holds rows rows_of(R, N, r)
     2-D mesh (replicate, shard)           (Replicate(), Shard(0))  the same rows, on every replica
     a 0-dim parameter (no rows to cut)    Replicate() on each dim  every rank holds it whole
+    a replicated one (``replicate=``)     Replicate() on each dim  every rank holds it whole
 
 ``p.shape`` is the global shape, ``p.to_local()`` this rank's rows, ``p.full_tensor()`` the
 whole parameter (an all-gather). An op on DTensors runs the collective its placements need:
@@ -63,12 +64,14 @@ def mesh_of(groups, device_type: str) -> DeviceMesh:
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """How one flat buffer's user parameters are DTensors: its mesh, whose last dim is the
-    shard group (a 2-D mesh's first dim holds the replicas)."""
+    shard group (a 2-D mesh's first dim holds the replicas); ``whole``: every rank holds every
+    row (a replicated buffer, ``ZeRO(replicate=...)``)."""
     mesh: DeviceMesh
+    whole: bool = False
     _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def placements(self, shape: torch.Size) -> tuple:
-        row = Shard(0) if len(shape) else Replicate()
+        row = Shard(0) if len(shape) and not self.whole else Replicate()
         return (Replicate(),) * (self.mesh.ndim - 1) + (row,)
 
     def wrap(self, rows: torch.Tensor, shape: torch.Size) -> DTensor:

@@ -40,7 +40,8 @@ collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.
 Where the tensors live is the buffer's :class:`FlatMode` (zero.py's stage table picks it):
 
     mode      full                       the user parameters are views of
-    NONE      always (stage 0, N = 1)    full (the whole parameters)
+    NONE      always (stage 0, N = 1,    full (the whole parameters)
+              replicated parameters)
     VIEW      always (stages 1-2)        full: this rank's rows of each parameter's region
     OWN       only while gathered (3)    ``shard``: k elements of their own
 
@@ -68,7 +69,7 @@ from minishard.dtensors import Spec, local
 from minishard.layout import Layout, rows_of
 
 __all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in", "copy_out",
-           "rows_of"]
+           "collective_key", "rows_of"]
 
 
 class FlatMode(enum.Enum):
@@ -282,6 +283,13 @@ class FlatBuffer(Layout):
                 p.grad = self.as_user(j, g)
             else:
                 local(p.grad).add_(g)
+
+
+def collective_key(flat: FlatBuffer) -> tuple:
+    """Buffers with equal keys may share one collective: one compute dtype, and all sharded
+    (over their shard group) or all whole (mode NONE: stage 0, or ``ZeRO(replicate=...)``'s
+    buffers, over every rank)."""
+    return flat.param_dtype, flat.mode is FlatMode.NONE
 
 
 # ------------------------------------------------------------------------------- the bytes

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 
 from minishard import config
-from minishard.flat import FlatBuffer, gather_params
+from minishard.flat import FlatBuffer, collective_key, gather_params
 
 __all__ = ["Pass", "Gatherer", "MAX_GATHERS_IN_FLIGHT"]
 
@@ -87,8 +87,8 @@ class Gatherer:
                 break
             bucket.append((other, flats))
         flats = [f for _, fs in bucket for f in fs]
-        for dtype in dict.fromkeys(f.param_dtype for f in flats):  # one collective per dtype
-            gather_params([f for f in flats if f.param_dtype == dtype], async_op=True)
+        for key in dict.fromkeys(map(collective_key, flats)):  # one collective per key
+            gather_params([f for f in flats if collective_key(f) == key], async_op=True)
         self.meters.note_gathered()
         for u, fs in bucket:
             if fs:
@@ -98,7 +98,7 @@ class Gatherer:
 
     def refresh_stale(self) -> None:
         """Stages 1-2, at the root's pre-forward: queue every stale full buffer, in forward
-        order, into coalesced gathers of about config.BUCKET_BYTES (one dtype each), and start
+        order, into coalesced gathers of about config.BUCKET_BYTES (one collective_key each), and start
         the first ones now; each unit waits for the gather that carries it before it runs."""
         for handle in self._regathers:  # a forward that skipped units left these: land them
             handle.wait()
@@ -106,7 +106,7 @@ class Gatherer:
         buckets: list[list[FlatBuffer]] = []
         for flat in (f for u in order for f in u.flats if f.needs_gather):
             last = buckets[-1] if buckets else None
-            if (last is None or last[0].param_dtype != flat.param_dtype
+            if (last is None or collective_key(last[0]) != collective_key(flat)
                     or sum(f.full_bytes() for f in last) >= config.BUCKET_BYTES):
                 buckets.append([])
             buckets[-1].append(flat)

@@ -48,6 +48,10 @@ class Layout:
         # full and the shards have the same layout when each rank's shard is one piece of full
         self.same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
 
+    def is_replicated(self, j: int) -> bool:
+        """Does every holder hold all of parameter j (one chunk, or a 0-dim parameter)?"""
+        return self.chunks == 1 or j in self.scalars
+
     def region(self, full: torch.Tensor, j: int) -> torch.Tensor:
         """Parameter j's padded region of a full-layout tensor, viewed (N, width_j): row r is
         what rank r holds of it."""

@@ -11,6 +11,9 @@ Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 Gradients are counted as *persistent* in the paper (stage 1 keeps full gradients); minishard's
 stage 1 frees them at the end of backward, so its persistent gradient bytes are those of stage 2,
 and the difference between the two shows up as the peak during backward instead.
+
+Parameters kept whole on every rank (``ZeRO(replicate=..., persist_below=...)``), Ψ_r of the Ψ,
+count at full size in every term: stage 3 holds 16Ψ_r + 16(Ψ - Ψ_r)/N with Adam in fp32.
 """
 from __future__ import annotations
 
@@ -18,15 +21,19 @@ OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 4, "sgd-nomomentum": 0}
 
 
 def zero_bytes(psi: float, ranks: int, stage: int, optimizer: str = "adam",
-               mixed_precision: bool = False) -> dict[str, float]:
-    """Model-state bytes per rank by term, following the table in this module's docstring."""
+               mixed_precision: bool = False, replicated: float = 0) -> dict[str, float]:
+    """Model-state bytes per rank by term, following the table in this module's docstring.
+    ``replicated``: how many of the ``psi`` parameters are kept whole on every rank
+    (``ZeRO(replicate=..., persist_below=...)``): their every term counts at full size."""
     if mixed_precision:  # bf16/fp16 params and grads; fp32 master copy counted with the optimizer
         p, g, k = 2, 2, OPTIMIZER_BYTES[optimizer] + 4
     else:
         p, g, k = 4, 4, OPTIMIZER_BYTES[optimizer]
     shard = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
-    per = {"params": p * psi, "grads": g * psi, "optimizer": k * psi}
-    return {term: b / ranks if shard[term] else b for term, b in per.items()}
+    per = {"params": p, "grads": g, "optimizer": k}
+    sharded = psi - replicated
+    return {term: b * (sharded / ranks if shard[term] else sharded) + b * replicated
+            for term, b in per.items()}
 
 
 def fmt_bytes(n: float) -> str:

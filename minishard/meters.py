@@ -22,11 +22,13 @@ full gradient, N the shard group's size::
     autograd gradients    the unit in backward: each parameter's gradient and the flat gradient
                           they fill, 2 U (+ U cast to reduce_dtype)
     full gradients        stages 0-1 (and find_unused): Psi, until the end of backward;
-                          stages 2-3: those waiting in the bucket, bucket_bytes
-    reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out);
+                          stages 2-3: those waiting in the bucket, bucket_bytes, and the
+                          replicated parameters' (``replicate=``), Psi_r
+    reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out),
+                          + Psi_r (the replicated ones' all-reduced copy);
                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
-    shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0: views
-                          of the all-reduced copy, or a cast of them)
+    shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0 and
+                          replicated buffers: views of the all-reduced copy, or a cast of them)
     kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
                           comm.FINISHED_KEPT_BY_BACKEND x the largest one
 
@@ -190,7 +192,11 @@ def step_transients(model) -> dict[str, int]:
     trainable = [f for f in flats if f.requires_grad]
     if not trainable:
         return {}
-    sharded = flats[0].mode is not FlatMode.NONE
+    sharded = policy.flat_mode is not FlatMode.NONE
+    # replicated buffers in a sharded engine: all-reduced from their own bucket, which waits
+    # for config.BUCKET_BYTES of them or the end of backward (reductions.py)
+    whole = sum(_grad_bytes(f, reduce_dtype) for f in trainable
+                if sharded and f.mode is FlatMode.NONE)
     unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
     grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
     reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)
@@ -205,9 +211,10 @@ def step_transients(model) -> dict[str, int]:
                                           if u.module is root)
                                       + (1 + prefetch) * largest_gather)
         out["gather staging"] = largest_gather if world > 1 else 0
-    out["full gradients"] = psi if keeps_full_grads else bucket_bytes
+    out["full gradients"] = psi if keeps_full_grads else bucket_bytes + whole
     if limits_reductions:
-        out["reductions in flight"] = MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
+        out["reductions in flight"] = (MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
+                                       + whole)
     else:
         out["reductions in flight"] = (2 if sharded else 1) * psi
     out["shard gradients"] = sum(f.shard_numel * f.dtype.itemsize for f in trainable

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from minishard import comm, config
-from minishard.flat import FlatBuffer, reduce_grads
+from minishard.flat import FlatBuffer, FlatMode, collective_key, reduce_grads
 
-__all__ = ["Reducer", "MAX_REDUCTIONS_IN_FLIGHT"]
+__all__ = ["Reducer", "clip_grad_norm", "MAX_REDUCTIONS_IN_FLIGHT"]
 
 MAX_REDUCTIONS_IN_FLIGHT = 2  # stages 2-3: bounds the full gradients waiting for their reduction
 
@@ -47,7 +47,7 @@ class Reducer:
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
-        self._bucket: list[FlatBuffer] = []  # ready gradients not yet launched
+        self._buckets: dict[bool, list[FlatBuffer]] = {}  # ready, not launched: by "is whole"
 
     def in_flight_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self._in_flight)
@@ -72,26 +72,30 @@ class Reducer:
         return [f for u in reversed(self.units) for f in u.flats if f.requires_grad]
 
     def _schedule(self, flat: FlatBuffer) -> None:
-        """Queue ``flat``'s reduction in the bucket; launch the bucket once it is full
-        ([Note: buckets]: ``bucket_bytes`` at stages 2-3, where 0 launches every flat at once)."""
-        cap = self.bucket_bytes if self.free_grads_early else config.BUCKET_BYTES
-        if self._bucket and self._bucket[0].param_dtype != flat.param_dtype:
-            self._flush_bucket()  # one collective moves one dtype
-        self._bucket.append(flat)
-        if sum(f.full_bytes() for f in self._bucket) >= cap:
-            self._flush_bucket()
+        """Queue ``flat``'s reduction in its bucket; launch the bucket once it is full
+        ([Note: buckets]: ``bucket_bytes`` at stages 2-3, where 0 launches every flat at once).
+        A replicated buffer (mode NONE in a sharded engine) is all-reduced, not reduce-scattered:
+        it waits in a bucket of its own, of config.BUCKET_BYTES, as DDP's gradients do."""
+        whole = flat.mode is FlatMode.NONE
+        cap = self.bucket_bytes if self.free_grads_early and not whole else config.BUCKET_BYTES
+        bucket = self._buckets.setdefault(whole, [])
+        if bucket and collective_key(bucket[0]) != collective_key(flat):
+            self._flush_bucket(whole)  # one collective moves one dtype
+        self._buckets[whole].append(flat)
+        if sum(f.full_bytes() for f in self._buckets[whole]) >= cap:
+            self._flush_bucket(whole)
 
-    def _flush_bucket(self) -> None:
-        """Launch the bucket; at stages 2-3 first wait for the oldest reduction if
+    def _flush_bucket(self, whole: bool) -> None:
+        """Launch a bucket; at stages 2-3 first wait for the oldest reduction if
         MAX_REDUCTIONS_IN_FLIGHT are unfinished, so no more than that many hold their send
         and receive buffers at once."""
-        if not self._bucket:
+        bucket = self._buckets.pop(whole, [])
+        if not bucket:
             return
         while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
             self._in_flight.pop(0)[0].wait()
-        nbytes = sum(f.full_bytes() for f in self._bucket)
-        self._in_flight.append((reduce_grads(self._bucket, self.reduce_dtype), nbytes))
-        self._bucket = []
+        nbytes = sum(f.full_bytes() for f in bucket)
+        self._in_flight.append((reduce_grads(bucket, self.reduce_dtype), nbytes))
 
     def finish(self, sync_grads: bool) -> None:
         """End of backward: reduce what is left, wait for every reduction.
@@ -108,7 +112,8 @@ class Reducer:
                     if flat.requires_grad and flat.full.grad is not None:
                         self._reduce(unit, flat)
             unused = self._finish_in_order() if self.find_unused else []
-        self._flush_bucket()
+        for whole in list(self._buckets):  # in the order the buckets began: the same on every rank
+            self._flush_bucket(whole)
         for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight.clear()
@@ -130,3 +135,36 @@ class Reducer:
         unused = [(f, before[id(f)]) for f, u in zip(order, used.tolist()) if not u]
         self._used = set()
         return unused
+
+
+@torch.no_grad()
+def clip_grad_norm(units, group, sharded: bool, max_norm: float,
+                   norm_type: float = 2.0) -> torch.Tensor:
+    """``model.clip_grad_norm_``: clip the gradients of the WHOLE model by its global norm, as
+    torch's does on the unsharded model; returns the total norm before clipping.
+
+    Each element counts once: a rank sums |g|^p over its shard gradients only (no padding; a
+    tied weight has one slot; a replicated one, 0-dim or kept whole by ``replicate=``, on the
+    shard group's rank 0), then one all-reduce over the shard ``group`` adds the ranks' sums
+    (MAX for the inf-norm). Not ``sharded`` (stage 0): identical full gradients on every rank,
+    no collective.
+    With replicas (a 2-D mesh) the sum runs over the shard group only: adding every replica's
+    would count each element R times."""
+    norm_type = float(norm_type)
+    lead = not sharded or comm.group_rank(group) == 0
+    grads = [g for unit in units for g in unit.shard_grads()]
+    counted = [g for unit in units for g in unit.shard_grads(owned=True, lead=lead)]
+    device = next((f.full.device for u in units for f in u.flats), None)
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    if norm_type == float("inf"):
+        mine, op = max((g.abs().max().double() for g in counted if g.numel()), default=zero), "max"
+    else:
+        mine, op = sum((g.double().abs().pow(norm_type).sum() for g in counted), zero), "sum"
+    total = mine.reshape(1).clone()
+    if sharded:
+        comm.all_reduce(total, op, group, tag="clip_grad_norm_")
+    total = total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
+    clip = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(clip.to(g.dtype))
+    return total.float()

@@ -102,11 +102,12 @@ class Unit:
         """What the optimizer steps: the user parameters, in buffer order."""
         return [p for flat in self.flats for p in flat.params]
 
-    def shard_grads(self, owned: bool = False) -> list[torch.Tensor]:
+    def shard_grads(self, owned: bool = False, lead: bool = True) -> list[torch.Tensor]:
         """This rank's rows of every gradient, plain tensors; ``owned``: only those no other
-        rank of the shard group holds too (a replicated 0-dim one counts on rank 0 alone)."""
+        rank of the shard group holds too. A replicated one (a 0-dim parameter, or a buffer
+        of mode NONE in a sharded engine) counts on one rank of the group, the ``lead``."""
         return [local(p.grad) for flat in self.flats for j, p in enumerate(flat.params)
-                if p.grad is not None and not (owned and j in flat.scalars and flat.rank)]
+                if p.grad is not None and (lead or not owned or not flat.is_replicated(j))]
 
     def has_frozen(self) -> bool:
         return any(not flat.requires_grad for flat in self.flats)
@@ -172,6 +173,8 @@ class Unit:
                 self._release_flat(flat, on_free)
 
     def _release_flat(self, flat: FlatBuffer, on_free: Callable | None) -> None:
+        if flat.mode is FlatMode.NONE:  # never released: the places keep their views
+            return
         if flat.mode is FlatMode.OWN and flat.is_gathered:
             flat.free()
             if on_free is not None:

@@ -64,14 +64,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm, full_state, guards, trace
-from minishard.build import build_units
+from minishard.build import build_units, replicated_predicate
 from minishard.config import (MixedPrecision, cast_buffers, cast_inputs, check_arguments,
                               check_same_config, param_group_index, resolve_groups,
                               shard_param_groups)
 from minishard.flat import FlatMode
 from minishard.gathers import Gatherer, Pass
 from minishard.meters import Meters, WrapMeter, memory_report, step_transients
-from minishard.reductions import Reducer
+from minishard.reductions import Reducer, clip_grad_norm
 from minishard.unit import Unit
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
@@ -124,7 +124,8 @@ class ZeRO(trace.Traced, nn.Module):
     code runs unchanged. Other arguments (each explained in config.py): ``units`` (classes, a
     predicate or None: which submodules gather and reduce as one), ``process_group`` or ``mesh``
     (2-D: hybrid sharding), ``mixed_precision``, ``prefetch``, ``bucket_bytes``, ``param_groups``,
-    ``find_unused_parameters`` (stages 0-2), ``device`` and ``param_init_fn`` (deferred init).
+    ``find_unused_parameters`` (stages 0-2), ``device`` and ``param_init_fn`` (deferred init),
+    ``replicate`` and ``persist_below`` (parameters kept whole on every rank).
 
     ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
     at stages 1-3 DTensors of this rank's rows (dtensors.py), as FSDP2's: build the optimizer
@@ -140,11 +141,11 @@ class ZeRO(trace.Traced, nn.Module):
                  mixed_precision: MixedPrecision | None = None, prefetch: bool = False,
                  param_groups: list[dict] | None = None, find_unused_parameters: bool = False,
                  mesh=None, device: torch.device | str | None = None, param_init_fn=None,
-                 bucket_bytes: int = 0) -> None:
+                 bucket_bytes: int = 0, replicate=None, persist_below: int = 0) -> None:
         super().__init__()
         policy = STAGES.get(stage)
         groups = check_arguments(ZeRO, module, stage, policy, process_group, mesh,
-                                 find_unused_parameters, bucket_bytes)
+                                 find_unused_parameters, bucket_bytes, persist_below)
         self.module, self.stage, self.policy = module, stage, policy
         self.group, self.replicate_group = groups.shard, groups.replicate
         self.every_group = groups.every  # all the engine's ranks: [Note: rank 0] in full_state
@@ -159,8 +160,10 @@ class ZeRO(trace.Traced, nn.Module):
         self.state_keys = list(module.state_dict().keys())
         self._wrap_meter = WrapMeter()
         self.units = build_units(module, units, groups, flat_mode=policy.flat_mode,
-                                 param_dtype=mp.param_dtype, group_of=group_of, device=device,
-                                 param_init_fn=param_init_fn, meter=self._wrap_meter)
+                                 param_dtype=mp.param_dtype, group_of=group_of,
+                                 whole=replicated_predicate(replicate, persist_below),
+                                 device=device, param_init_fn=param_init_fn,
+                                 meter=self._wrap_meter)
         cast_buffers(module, mp.buffer_dtype)
         guards.guard_parameters(self.units, module, stand_ins=self.policy.free_after_forward)
         for i, unit in enumerate(self.units):
@@ -304,38 +307,11 @@ class ZeRO(trace.Traced, nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the WHOLE model by its global norm, as torch's does on the
-        unsharded model; returns the total norm before clipping.
-
-        Each element counts once: a rank sums |g|^p over its shard gradients only (no padding;
-        a tied weight has one slot; a replicated 0-dim one on rank 0), then one all-reduce adds
-        the ranks' sums (MAX for the inf-norm). Stage 0 holds identical full gradients on every
-        rank: no collective. With replicas (a 2-D mesh) the sum runs over the shard group only:
-        adding every replica's would count each element R times. ``torch.nn.utils.
-        clip_grad_norm_(model.parameters(), ...)`` gives the same (DTensor runs its collective).
-        """
-        norm_type = float(norm_type)
-        grads = [g for unit in self.units for g in unit.shard_grads()]
-        counted = [g for unit in self.units for g in unit.shard_grads(owned=True)]
-        device = grads[0].device if grads else next(self.parameters(), torch.empty(0)).device
-        if norm_type == float("inf"):
-            local = max((g.abs().max().double() for g in counted if g.numel()),
-                        default=torch.zeros((), dtype=torch.float64, device=device))
-            op = "max"
-        else:
-            local = sum((g.double().abs().pow(norm_type).sum() for g in counted),
-                        torch.zeros((), dtype=torch.float64, device=device))
-            op = "sum"
-        total = local.reshape(1).clone()
-        if self.policy.flat_mode is not FlatMode.NONE:
-            comm.all_reduce(total, op, self.group, tag="clip_grad_norm_")
-        total = total[0] if norm_type == float("inf") else total[0].pow(1.0 / norm_type)
-        clip = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(clip.to(g.dtype))
-        return total.float()
+        unsharded model; returns the total norm before clipping (reductions.clip_grad_norm).
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the same."""
+        return clip_grad_norm(self.units, self.group, self.stage > 0, max_norm, norm_type)
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):

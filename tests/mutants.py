@@ -34,7 +34,7 @@ MUTANTS = {
          "tests/test_differential.py"]),
     "clip_without_min": (
         "clip_grad_norm_ scales by max_norm/norm even when the norm is below max_norm",
-        [("minishard/zero.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+        [("minishard/reductions.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
           "clip = max_norm / (total + 1e-6)")],
         ["tests/test_training.py::test_clip_grad_norm_matches_torch_on_the_unsharded_model"]),
     "zero_grads_for_unused": (
@@ -189,6 +189,18 @@ MUTANTS = {
         "the ledger does not watch the collectives DTensor runs for torch's clip_grad_norm_",
         [("minishard/dtensors.py", "costs.WATCHERS.append(torch_collectives)", "pass")],
         ["tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
+    "replicated_gradient_averaged_over_the_shard_group": (
+        "on a 2-D mesh a replicated parameter's gradient is averaged inside its shard group "
+        "only: each replica steps it with its own mean",
+        [("minishard/build.py", "flat = FlatBuffer(layout, groups.every if replicated else "
+          "groups.shard,", "flat = FlatBuffer(layout, groups.shard,")],
+        ["tests/test_replicated.py::"
+         "test_training_with_replicated_parameters_equals_one_process"]),
+    "replicated_gradient_counted_by_every_rank_in_model_clip": (
+        "model.clip_grad_norm_ adds a replicated gradient's |g|^p on every rank of the group",
+        [("minishard/unit.py", "if p.grad is not None and (lead or not owned or not "
+          "flat.is_replicated(j))]", "if p.grad is not None]")],
+        ["tests/test_replicated.py::test_model_clip_counts_a_replicated_gradient_once"]),
 }
 
 

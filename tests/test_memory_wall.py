@@ -97,7 +97,7 @@ def _mp(name):
 
 
 # ------------------------------------------------------------------------- a training step
-def _step_peak(width, depth, rows, stage, prefetch, bucket, mp):
+def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0):
     rank = dist.get_rank()
     torch.manual_seed(0)
     plain = Net(width, depth)
@@ -105,7 +105,7 @@ def _step_peak(width, depth, rows, stage, prefetch, bucket, mp):
     with Allocations() as activations:  # the module's own, in plain torch (fp32: no smaller)
         plain(x).sum()
     model = ZeRO(Net(width, depth), stage=stage, units={Block}, prefetch=prefetch,
-                 bucket_bytes=bucket, mixed_precision=_mp(mp))
+                 bucket_bytes=bucket, mixed_precision=_mp(mp), persist_below=persist)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     peaks = []
     for _ in range(3):
@@ -123,14 +123,15 @@ def _step_peak(width, depth, rows, stage, prefetch, bucket, mp):
 @given(width=st.integers(8, 40), depth=st.integers(1, 4), data=st.data(),
        stage=st.sampled_from([0, 1, 2, 3]), prefetch=st.booleans(),
        bucket=st.sampled_from([0, 20_000]), mp=st.sampled_from(["none", "bf16",
-                                                               "bf16+fp32 reduce"]))
+                                                               "bf16+fp32 reduce"]),
+       persist=st.sampled_from([0, 64]))  # 64: the biases (width <= 40) replicated
 def test_a_training_step_allocates_no_more_than_the_formula(pools, ws, width, depth, data,
-                                                            stage, prefetch, bucket, mp):
+                                                            stage, prefetch, bucket, mp, persist):
     rows = data.draw(st.lists(st.integers(0, 3), min_size=ws, max_size=ws))
     if sum(rows) == 0:
         rows[0] = 1
     for rank, (peak, formula, activations, report, where) in enumerate(
-            pools(ws).run(_step_peak, width, depth, rows, stage, prefetch, bucket, mp)):
+            pools(ws).run(_step_peak, width, depth, rows, stage, prefetch, bucket, mp, persist)):
         assert peak <= formula + activations, (
             f"rank {rank}: a step allocated {peak} B, the formula says {formula} B "
             f"({report['transients']}) + activations {activations} B\n{where}")

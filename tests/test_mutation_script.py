@@ -30,9 +30,8 @@ def test_the_kill_check_fails_on_a_survivor_and_passes_on_a_kill(monkeypatch, ca
     by running the script; its last full run is recorded in bench/RESULTS.md."""
     monkeypatch.setitem(mutants.MUTANTS, "harmless", (
         "a comment changed: nothing can notice",
-        [("minishard/memory.py", "    return {term: b / ranks if shard[term] else b for term, b in "
-          "per.items()}", "    return {term: b / ranks if shard[term] else b for term, b in "
-          "per.items()}  # harmless")],
+        [("minishard/memory.py", "    sharded = psi - replicated",
+          "    sharded = psi - replicated  # harmless")],
         ["tests/test_plan.py::test_paper_figure_1_numbers"]))
     monkeypatch.setitem(mutants.MUTANTS, "grads_never_sharded", (
         "the ZeRO formula never shards gradients",
