@@ -139,10 +139,15 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1, foreach: bool | Non
                 fully_shard(sub, reshard_after_forward=reshard)
         return with_adam(fully_shard(m, reshard_after_forward=reshard))
 
-    def ours(stage, units, prefetch=False, bucket_bytes=0):
-        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # older trees lack it
+    def ours(stage, units, prefetch=False, bucket_bytes=0, persist_below=0):
+        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes else {}  # older trees lack them
+        extra.update({"persist_below": persist_below} if persist_below else {})
         return lambda: with_adam(minishard.ZeRO(fresh(), stage=stage, units=units,
                                                 prefetch=prefetch, **extra))
+
+    def leaves(m):  # every layer its own unit, as DeepSpeed fetches (attention's out_proj is
+        return (type(m) is nn.Linear  # read by its parent, not called: it stays the parent's)
+                or isinstance(m, (nn.LayerNorm, nn.MultiheadAttention)))
 
     def ddp_zero_opt():
         m = DDP(fresh())
@@ -169,9 +174,20 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1, foreach: bool | Non
         "minishard stage 3 +prefetch +4MiB": (ours(3, {block}, True, 4 * 2**20),
                                                "FSDP1 FULL_SHARD", None),
         "minishard stage 3 +debug": (ours(3, {block}), "minishard stage 3", None),
+        # DeepSpeed's stage3_param_persistence_threshold default (1e5 elements): the LayerNorms
+        # and biases stay whole, their gradients all-reduced in one bucket
+        "minishard stage 3 +persist 1e5": (ours(3, {block}, persist_below=100_000),
+                                           "minishard stage 3", None),
+        "minishard stage 3 per layer": (ours(3, leaves), "minishard stage 3", None),
+        "minishard stage 3 per layer +persist 1e5": (ours(3, leaves, persist_below=100_000),
+                                                     "minishard stage 3 per layer", None),
     }
-    if "bucket_bytes" not in inspect.signature(minishard.ZeRO).parameters:  # bench/ab.py's REF
+    parameters = inspect.signature(minishard.ZeRO).parameters  # bench/ab.py's REF may lack them
+    if "bucket_bytes" not in parameters:
         del table["minishard stage 3 +prefetch +4MiB"]
+    if "persist_below" not in parameters:
+        for name in [n for n in table if "persist" in n]:
+            del table[name]
     return table
 
 
