@@ -53,6 +53,12 @@ as a 1/S-sized piece::
 
     per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
 
+A *replicated* buffer (``ZeRO(replicate=...)`` or ``persist_below``) is mode NONE inside a sharded
+engine: one chunk, the whole parameters on every rank, its ``group`` every rank of the engine.
+Its user parameters are ``Replicate()`` DTensors, it is never gathered nor freed, and its
+gradient is all-reduced (avg) as at stage 0. Buffers share a collective only with buffers of
+the same kind (:func:`collective_key`).
+
 ``mixed precision`` (``param_dtype``): full is kept in the compute dtype and ``shard`` holds the
 fp32 values; gathers send them cast to ``param_dtype``. So a VIEW buffer becomes OWN under a
 cast, decided where it is built (:meth:`FlatMode.under_cast`).

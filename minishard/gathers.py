@@ -98,8 +98,8 @@ class Gatherer:
 
     def refresh_stale(self) -> None:
         """Stages 1-2, at the root's pre-forward: queue every stale full buffer, in forward
-        order, into coalesced gathers of about config.BUCKET_BYTES (one collective_key each), and start
-        the first ones now; each unit waits for the gather that carries it before it runs."""
+        order, into coalesced gathers of about config.BUCKET_BYTES (one collective_key each),
+        and start the first ones now; each unit waits for the gather that carries it."""
         for handle in self._regathers:  # a forward that skipped units left these: land them
             handle.wait()
         order = self.order + [u for u in self.units if u not in self.order]

@@ -123,12 +123,13 @@ def fmt_decimal(n: float) -> str:
 
 def estimate(params: float, ranks: int, memory: float, optimizer: str = "adam",
              mixed_precision: bool = False, headroom: float = 0.0,
-             activations: float = 0.0) -> list[dict]:
+             activations: float = 0.0, replicated: float = 0) -> list[dict]:
     """One row per stage: the per-rank bytes by term, their total (model states), the
-    activations, what is left of ``memory - headroom`` after both, and whether that is >= 0."""
+    activations, what is left of ``memory - headroom`` after both, and whether that is >= 0.
+    ``replicated``: parameters kept whole on every rank (``ZeRO(persist_below=...)``)."""
     rows = []
     for stage in range(4):
-        terms = zero_bytes(params, ranks, stage, optimizer, mixed_precision)
+        terms = zero_bytes(params, ranks, stage, optimizer, mixed_precision, replicated)
         total = sum(terms.values())
         left = memory - headroom - total - activations
         rows.append({"stage": stage, **terms, "total": total, "activations": activations,
@@ -137,13 +138,13 @@ def estimate(params: float, ranks: int, memory: float, optimizer: str = "adam",
 
 
 def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
-              mixed_precision: bool = False) -> int | None:
+              mixed_precision: bool = False, replicated: float = 0) -> int | None:
     """The fewest ranks with which ``stage`` fits in ``memory`` (model states only), or None if
     no number of ranks does (the unsharded terms alone exceed it)."""
-    full = zero_bytes(params, 1, stage, optimizer, mixed_precision)   # every term at N = 1
-    sharded = zero_bytes(params, 2, stage, optimizer, mixed_precision)
-    fixed = sum(v for k, v in full.items() if sharded[k] == v)         # terms not divided by N
-    divisible = sum(full.values()) - fixed
+    one, two = (sum(zero_bytes(params, n, stage, optimizer, mixed_precision,
+                               replicated).values()) for n in (1, 2))
+    divisible = 2 * (one - two)  # the states are fixed + divisible / N
+    fixed = one - divisible
     if fixed > memory or (divisible > 0 and fixed == memory):
         return None
     return 1 if divisible == 0 else max(1, math.ceil(divisible / (memory - fixed)))
@@ -151,7 +152,7 @@ def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
 
 def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
             optimizer: str = "adam", mixed_precision: bool = False, headroom: float = 0.0,
-            activations: float = 0.0) -> list[dict]:
+            activations: float = 0.0, replicated: float = 0) -> list[dict]:
     """Multi-node: DDP, stages 1-3 over all R·S ranks, and hybrid stages 1-3, each with its memory
     per rank (model states + activations), bytes per rank per step inside a node and across
     nodes (the module docstring's table), what is left, and whether it fits."""
@@ -160,14 +161,15 @@ def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
     for stage in range(4):
         sent = step_bytes(params, stage, n, elem)
         crossing = nodes > 1  # one ring over every rank: see "crosses nodes" in the docstring
-        states = sum(zero_bytes(params, n, stage, optimizer, mixed_precision).values())
+        states = sum(zero_bytes(params, n, stage, optimizer, mixed_precision,
+                                replicated).values())
         rows.append({"choice": "DDP (stage 0)" if stage == 0 else f"stage {stage}",
                      "stage": stage, "states": states, "intra": 0.0 if crossing else sent,
                      "cross": sent if crossing else 0.0})
     for stage in range(1, 4):  # sharded over the S ranks of a node, replicated across nodes
         rows.append({"choice": f"hybrid stage {stage}", "stage": stage,
                      "states": sum(zero_bytes(params, ranks_per_node, stage, optimizer,
-                                              mixed_precision).values()),
+                                              mixed_precision, replicated).values()),
                      **hybrid_step_bytes(params, nodes, ranks_per_node, elem, stage)})
     for row in rows:
         row["memory"] = row["states"] + activations
@@ -231,13 +233,15 @@ def _dtypes(optimizer: str, mixed_precision: bool) -> str:
 
 def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
            mixed_precision: bool = False, headroom: float = 0.0, shape: dict | None = None,
-           nodes: int | None = None) -> str:
+           nodes: int | None = None, replicated: float = 0) -> str:
     """The printed estimate. ``shape``: {layers, seq, micro_batch, hidden, heads,
-    checkpointing} or None; ``nodes``: with ``ranks`` ranks per node, adds the multi-node table."""
+    checkpointing} or None; ``nodes``: with ``ranks`` ranks per node, adds the multi-node table;
+    ``replicated``: parameters kept whole on every rank, counted at full size."""
     elem = 2 if mixed_precision else 4
     world = ranks * (nodes or 1)
     act_lines, acts = _activation_lines(shape, elem)
-    rows = estimate(params, world, memory, optimizer, mixed_precision, headroom, acts)
+    rows = estimate(params, world, memory, optimizer, mixed_precision, headroom, acts,
+                    replicated)
     k = zero_bytes(1, 1, 0, optimizer, mixed_precision)
     precision = "mixed precision (bf16/fp16 params and grads)" if mixed_precision else "fp32"
     where = f"{nodes} nodes x {ranks} ranks" if nodes else f"{ranks} ranks"
@@ -252,6 +256,9 @@ def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
             100),
         f"headroom kept free: {fmt_decimal(headroom)} (framework, fragmentation, temporary "
         f"buffers): {fmt_decimal(memory - headroom)} usable per rank.",
+        *textwrap.wrap(f"{replicated:,.0f} of the parameters kept whole on every rank "
+                       "(--replicated): every term counts them at full size." if replicated
+                       else "", 100),
         *textwrap.wrap(" ".join(act_lines), 100),
         "",
     ]
@@ -268,10 +275,10 @@ def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
     lines.append("")
     if nodes:
         lines += _multi_node_lines(params, nodes, ranks, memory, optimizer, mixed_precision,
-                                   headroom, acts, act_col)
+                                   headroom, acts, act_col, replicated)
     else:
         lines += textwrap.wrap(_advice(rows, params, world, memory - headroom - acts, optimizer,
-                                       mixed_precision, act_col, shape), 100)
+                                       mixed_precision, act_col, shape, replicated), 100)
     return "\n".join(lines)
 
 
@@ -282,7 +289,8 @@ def _left_words(row: dict, counted: bool) -> str:
     return f"it leaves {fmt_decimal(row['left'])} per rank for activations"
 
 
-def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, shape) -> str:
+def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, shape,
+            replicated) -> str:
     fitting = [r for r in rows if r["fits"]]
     if fitting and fitting[0]["stage"] == 0:
         return (f"Recommendation: stage 0; {_left_words(fitting[0], counted)}. If the model "
@@ -298,7 +306,8 @@ def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, sh
     if shape is not None and not shape["checkpointing"]:
         hint = (" Or activation checkpointing (--checkpointing: each layer keeps its 2sbh input "
                 "and is recomputed in backward).")
-    need = min_ranks(params, usable, 3, optimizer, mixed_precision) if usable > 0 else None
+    need = (min_ranks(params, usable, 3, optimizer, mixed_precision, replicated) if usable > 0
+            else None)
     if need is None:
         return (f"Recommendation: nothing fits on {world} ranks, at any number of ranks: the "
                 "activations and headroom alone fill the memory. Use a smaller micro-batch or "
@@ -324,8 +333,9 @@ def _on(nodes: int, who: str, formula: str) -> str:
 
 
 def _multi_node_lines(params, nodes, per_node, memory, optimizer, mixed_precision, headroom,
-                      acts, counted) -> list[str]:
-    rows = choices(params, nodes, per_node, memory, optimizer, mixed_precision, headroom, acts)
+                      acts, counted, replicated) -> list[str]:
+    rows = choices(params, nodes, per_node, memory, optimizer, mixed_precision, headroom, acts,
+                   replicated)
     elem = 2 if mixed_precision else 4
     lines = textwrap.wrap(
         f"{nodes} nodes x {per_node} ranks. Hybrid: each stage over a node's S = {per_node} "
@@ -392,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mixed-precision", action="store_true",
                         help="bf16/fp16 params and grads with an fp32 master copy")
     parser.add_argument("--optimizer", default="adam", choices=sorted(OPTIMIZER_BYTES))
+    parser.add_argument("--replicated", type=_arg(parse_count), default=0,
+                        help="of --params, how many are kept whole on every rank "
+                             "(ZeRO(replicate=..., persist_below=...)): e.g. 50M")
     shape = parser.add_argument_group("transformer shape (all five, to count activations)")
     for name in _SHAPE:
         shape.add_argument("--" + name.replace("_", "-"), type=int)
@@ -400,6 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.params <= 0 or args.memory <= 0:
         parser.error("--params and --memory must be positive")
+    if not 0 <= args.replicated <= args.params:
+        parser.error("--replicated counts some of --params: between 0 and --params")
     multi = args.nodes is not None or args.ranks_per_node is not None
     if multi:
         if args.nodes is None or args.ranks_per_node is None:
@@ -431,7 +446,7 @@ def main(argv: list[str] | None = None) -> None:
                if given else None)
     per_node = args.ranks_per_node if multi else args.ranks
     print(report(args.params, per_node, args.memory, args.optimizer, args.mixed_precision,
-                 headroom, shape_d, args.nodes if multi else None))
+                 headroom, shape_d, args.nodes if multi else None, args.replicated))
 
 
 if __name__ == "__main__":

@@ -43,10 +43,13 @@ unit only SOME ranks used is reduced with zeros from the others, in an order eve
 reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
 Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
+Parameters kept whole (``replicate=``, ``persist_below=``) live in stage 0's buffers inside
+their unit: never gathered nor freed, their gradients all-reduced in a bucket of their own.
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
-stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the element size).
+stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the element size);
+Ψ_r replicated parameters move 2Ψ_r (an all-reduce) at any stage instead.
 Hybrid sharding (``mesh=``, R replicas of S-rank shard groups) runs all of that inside the shard
 group (N = S) and adds one all-reduce of each gradient shard across the replicas: 2(Ψ/S)(R-1)/R.
 

@@ -102,14 +102,28 @@ def test_bad_memory_is_a_clear_cli_error(capsys):
 
 
 @given(params=st.floats(1e6, 1e12), memory=st.floats(1e9, 1e11), stage=st.sampled_from(range(4)),
-       mp=st.booleans())
-def test_min_ranks_is_the_fewest_that_fit(params, memory, stage, mp):
-    n = min_ranks(params, memory, stage, "adam", mp)
-    fits = lambda ranks: estimate(params, ranks, memory, "adam", mp)[stage]["fits"]  # noqa: E731
+       mp=st.booleans(), whole=st.sampled_from([0.0, 1e-3, 0.1]))
+def test_min_ranks_is_the_fewest_that_fit(params, memory, stage, mp, whole):
+    replicated = whole * params  # kept whole on every rank (persist_below)
+    n = min_ranks(params, memory, stage, "adam", mp, replicated)
+    fits = lambda ranks: estimate(params, ranks, memory, "adam", mp,  # noqa: E731
+                                  replicated=replicated)[stage]["fits"]
     if n is None:  # the unsharded terms alone exceed the memory: no number of ranks helps
         assert not fits(10**9)
     else:
         assert fits(n) and (n == 1 or not fits(n - 1))
+
+
+def test_replicated_parameters_count_whole_in_every_term():
+    # the ZeRO paper's Figure 1 model at stage 3 (1.88 GB a rank) with 1e8 of its 7.5e9
+    # parameters kept whole: 16 bytes each on every rank, the rest still cut 64 ways
+    row = estimate(7.5e9, 64, 80e9, "adam", mixed_precision=True, replicated=1e8)[3]
+    assert row["total"] == pytest.approx(16 * 1e8 + 16 * 7.4e9 / 64)
+    out = subprocess.run([sys.executable, "-m", "minishard.plan", "--params", "7.5e9", "--ranks",
+                          "64", "--memory", "80GB", "--mixed-precision", "--replicated", "100M"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    assert "3.45 GB" in out and "kept whole on every rank" in out
 
 
 def test_module_entry_point():

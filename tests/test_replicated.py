@@ -1,4 +1,4 @@
-"""Parameters kept whole on every rank beside sharded ones: ``ZeRO(replicate=..., persist_below=...)``.
+"""Parameters kept whole on every rank beside sharded ones (``replicate=``, ``persist_below=``).
 
 The oracles, unmodified:
   * One process on the global batch: test_state's Net (a tied weight, a frozen parameter, a
@@ -113,7 +113,8 @@ def trained(keep, stage, opt_name, prefetch=False, bucket_bytes=0, micro=False, 
     model = wrap(keep, stage, mesh=mesh, prefetch=prefetch, bucket_bytes=bucket_bytes)
     opt = OPTIMIZERS[opt_name](model.parameters())
     train(model, opt, range(3), world, rank, micro)
-    placements = {name: tuple(map(repr, p.placements)) for name, p in model.module.named_parameters()}
+    placements = {name: tuple(map(repr, p.placements))
+                  for name, p in model.module.named_parameters()}
     whole_state = all(v.to_local().shape == p.shape for p, s in opt.state.items()
                       if all(isinstance(pl, Replicate) for pl in p.placements)
                       for v in s.values() if isinstance(v, DTensor) and v.dim())

@@ -19,6 +19,14 @@ to a multiple of N, as when the concatenation is cut: FSDP1), and each gather, l
 reduce-scatter of the gradients, costs one copy of the unit (minishard skips it for a
 one-parameter unit; FSDP2 always copies in and out).
 
+Small parameters kept whole (``persist_below=n``, DeepSpeed's stage3_param_persistence_threshold;
+``replicate=nn.LayerNorm``, FSDP2's ``replicate`` beside ``fully_shard``): a unit is ONE gather
+however many parameters it holds, so keeping a LayerNorm or a bias whole saves a collective only
+when a whole unit is made of them. The last part counts it on a small GPT-shaped stack with one
+unit per layer: each LayerNorm unit stops being gathered (twice) and reduce-scattered (once),
+and all the kept-whole gradients travel in one all-reduce per step. Asserted from the unwrapped
+model's layers, not from the engine.
+
 With ``--plot FILE.png`` it draws the three runs one above the other on one time axis: the
 full-parameter bytes held, forward and backward shaded, each unit's compute labelled, and the time
 spent WAITING for a collective drawn as such (a flat stretch of the line is often not computing
@@ -96,6 +104,69 @@ def one_step(units, prefetch=False, trace=None):
     opt.step()
     return model, {"events": events, "waits": waits, "blocked_s": led.blocked_s,
                    "start": start, "backward_at": backward_at, "end": end}
+
+
+class GPTLayer(nn.Module):
+    """A transformer block's parameter shapes: LayerNorm, a (d x d) mixer, LayerNorm, MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)
+        self.fc, self.proj = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        x = x + self.mix(self.ln1(x))
+        return x + self.proj(torch.relu(self.fc(self.ln2(x))))
+
+
+def per_layer(m: nn.Module) -> bool:  # every LayerNorm and Linear its own unit
+    return isinstance(m, (nn.LayerNorm, nn.Linear))
+
+
+def persisted_step(persist_below: int) -> tuple[dict, float]:
+    """One stage-3 step of the GPT stack, units per layer: the ledger's collectives by kind
+    (count, bytes sent) and the step's ms."""
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(*[GPTLayer() for _ in range(BLOCKS)]), stage=3,
+                           units=per_layer, persist_below=persist_below)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, WIDTH)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with minishard.ledger() as led:
+        start = time.perf_counter()
+        model(x).sum().backward()
+        ms = 1000 * (time.perf_counter() - start)
+    ops = ("all_gather", "reduce_scatter", "all_reduce")
+    return {op: (led.count(op), led.total_bytes(op)) for op in ops}, ms
+
+
+def persisting(say, world: int) -> None:
+    """persist_below=4*WIDTH+1 keeps the LayerNorms and the biases whole: the counts expected
+    from the unwrapped layers, asserted."""
+    threshold = 4 * WIDTH + 1
+    layer = GPTLayer()
+    units = [m for m in layer.modules() if per_layer(m)]
+    whole_units = sum(all(p.numel() < threshold for p in m.parameters()) for m in units)
+    (sharded, t0), (persisted, t1) = persisted_step(0), persisted_step(threshold)
+    say(f"\nA GPT-shaped stack, {BLOCKS} layers of {len(units)} units each (LayerNorm, Linear, "
+        f"LayerNorm, Linear, Linear), stage 3;\npersist_below={threshold} keeps every parameter "
+        f"under {threshold} elements whole (LayerNorms, biases). Collectives in one step:")
+    say(f"   {'':<22}{'all_gather':>16}{'reduce_scatter':>18}{'all_reduce':>14}{'step ms':>10}")
+    for name, run, ms in (("every parameter cut", sharded, t0),
+                          ("small ones whole", persisted, t1)):
+        say(f"   {name:<22}" + "".join(f"{n:>6} ({fmt_bytes(float(b)):>9})" if op != "all_reduce"
+                                       else f"{n:>4} ({fmt_bytes(float(b)):>7})"
+                                       for op, (n, b) in run.items()) + f"{ms:>8.1f}")
+    assert sharded["all_gather"][0] - persisted["all_gather"][0] == 2 * whole_units * BLOCKS
+    assert sharded["reduce_scatter"][0] - persisted["reduce_scatter"][0] == whole_units * BLOCKS
+    assert persisted["all_reduce"][0] - sharded["all_reduce"][0] == 1  # one bucket a step
+    say(f"Each layer's {whole_units} LayerNorm units are never gathered: "
+        f"{2 * whole_units * BLOCKS} gathers and {whole_units * BLOCKS} reduce-scatters fewer, "
+        "one all-reduce more (asserted; the times are not).\nWith one unit per BLOCK nothing "
+        "changes but a few bytes: the Linear weights are gathered anyway (bench/RESULTS.md).")
 
 
 def optimizer_cost(model, steps: int = 7) -> dict:
@@ -179,6 +250,8 @@ def main(rank: int, world: int, plot: str | None) -> None:
     for foreach, (d, p) in dtensor.items():
         say(f"   foreach={foreach!s:<5}  over the DTensors {d:6.2f} ms, over plain copies of "
             f"their local rows {p:6.2f} ms")
+
+    persisting(say, world)
 
     if rank == 0:  # model.trace(path): every rank's step in one file (minishard/trace.py)
         with open(trace) as f:
