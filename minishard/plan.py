@@ -384,6 +384,24 @@ _memory_arg = _arg(parse_bytes)
 _SHAPE = ("layers", "hidden", "heads", "seq", "micro_batch")
 
 
+def _check_ranks(parser, args) -> bool:
+    """--ranks, or --nodes with --ranks-per-node, checked; True for the multi-node form."""
+    multi = args.nodes is not None or args.ranks_per_node is not None
+    if multi:
+        if args.nodes is None or args.ranks_per_node is None:
+            parser.error("--nodes and --ranks-per-node go together")
+        if args.nodes < 1 or args.ranks_per_node < 1:
+            parser.error("--nodes and --ranks-per-node must be positive")
+        if args.ranks is not None and args.ranks != args.nodes * args.ranks_per_node:
+            parser.error(f"--ranks {args.ranks} is not --nodes x --ranks-per-node = "
+                         f"{args.nodes * args.ranks_per_node}: give one or the other")
+    elif args.ranks is None:
+        parser.error("give --ranks, or --nodes and --ranks-per-node")
+    elif args.ranks < 1:
+        parser.error("--ranks must be positive")
+    return multi
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minishard.plan",
                                      description=__doc__.split("\n\n")[0],
@@ -415,19 +433,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--params and --memory must be positive")
     if not 0 <= args.replicated <= args.params:
         parser.error("--replicated counts some of --params: between 0 and --params")
-    multi = args.nodes is not None or args.ranks_per_node is not None
-    if multi:
-        if args.nodes is None or args.ranks_per_node is None:
-            parser.error("--nodes and --ranks-per-node go together")
-        if args.nodes < 1 or args.ranks_per_node < 1:
-            parser.error("--nodes and --ranks-per-node must be positive")
-        if args.ranks is not None and args.ranks != args.nodes * args.ranks_per_node:
-            parser.error(f"--ranks {args.ranks} is not --nodes x --ranks-per-node = "
-                         f"{args.nodes * args.ranks_per_node}: give one or the other")
-    elif args.ranks is None:
-        parser.error("give --ranks, or --nodes and --ranks-per-node")
-    elif args.ranks < 1:
-        parser.error("--ranks must be positive")
+    multi = _check_ranks(parser, args)
     given = [n for n in _SHAPE if getattr(args, n) is not None]
     if given and len(given) < len(_SHAPE):
         missing = ", ".join("--" + n.replace("_", "-") for n in _SHAPE if n not in given)

@@ -48,6 +48,7 @@ class Reducer:
         self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
         self._buckets: dict[bool, list[FlatBuffer]] = {}  # ready, not launched: by "is whole"
+        self.shadowing = False  # Join: this rank has joined and runs an empty batch (join.py)
 
     def in_flight_bytes(self) -> int:
         return sum(nbytes for _, nbytes in self._in_flight)
@@ -62,8 +63,9 @@ class Reducer:
             return
         self._reduced.add(id(flat))
         self.log("reduce", unit)
-        if self.find_unused:
-            self._used.add(id(flat))  # launched at the end of backward, in the fixed order
+        if self.find_unused:  # launched at the end of backward, in the fixed order
+            if not self.shadowing:  # a joined rank's empty batch uses nothing (join.py)
+                self._used.add(id(flat))
         else:
             self._schedule(flat)
 

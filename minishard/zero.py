@@ -64,6 +64,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm, full_state, guards, trace
@@ -73,6 +74,7 @@ from minishard.config import (MixedPrecision, cast_buffers, cast_inputs, check_a
                               shard_param_groups)
 from minishard.flat import FlatMode
 from minishard.gathers import Gatherer, Pass
+from minishard.join import JoinState, ZeROJoinHook, announce
 from minishard.meters import Meters, WrapMeter, memory_report, step_transients
 from minishard.reductions import Reducer, clip_grad_norm
 from minishard.unit import Unit
@@ -120,7 +122,7 @@ class _AfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class ZeRO(trace.Traced, nn.Module):
+class ZeRO(trace.Traced, nn.Module, Joinable):
     """Wrap ``module`` so its parameters, gradients and optimizer state are sharded by ``stage``.
 
     ``stage``: 0 (DDP), 1 (shard optimizer state), 2 (+ gradients), 3 (+ parameters). The module's
@@ -146,6 +148,7 @@ class ZeRO(trace.Traced, nn.Module):
                  mesh=None, device: torch.device | str | None = None, param_init_fn=None,
                  bucket_bytes: int = 0, replicate=None, persist_below: int = 0) -> None:
         super().__init__()
+        Joinable.__init__(self)  # uneven inputs: torch's Join (join.py)
         policy = STAGES.get(stage)
         groups = check_arguments(ZeRO, module, stage, policy, process_group, mesh,
                                  find_unused_parameters, bucket_bytes, persist_below)
@@ -186,6 +189,7 @@ class ZeRO(trace.Traced, nn.Module):
                                 log=self._meters.log)
         self._pass = Pass.FORWARD  # see _start_backward
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
+        self._join_state = JoinState()
         for unit in self.units:     # stage 3 starts sharded; the others keep full params
             self._reshard(unit)
         self.refresh_full_params()  # deferred init filled only an OWN buffer's shard
@@ -197,6 +201,8 @@ class ZeRO(trace.Traced, nn.Module):
         is_root = unit.module is self.module
         in_backward = self._pass is Pass.BACKWARD  # activation checkpointing recomputes
         if is_root and not in_backward:
+            if self._join_config.enable and not self._join_state.shadowing:
+                announce(self, args, kwargs)  # Join: this rank has not joined; the plan
             self._meters.start_forward()
             self._sync_requires_grad()
             if not self.policy.free_after_forward:
@@ -268,6 +274,7 @@ class ZeRO(trace.Traced, nn.Module):
         """Runs once, when autograd has finished the whole backward pass: the reductions not
         launched yet are launched, every one is waited for (reductions.py), stage 3 frees."""
         self._reducer.finish(self.require_backward_grad_sync)
+        self._join_state.synced += self.require_backward_grad_sync
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)
@@ -293,6 +300,14 @@ class ZeRO(trace.Traced, nn.Module):
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def join_hook(self, **kwargs) -> ZeROJoinHook:
+        """torch's Join: ``Join([model], optimizer=opt, before_step=fn)`` (join.py)."""
+        return ZeROJoinHook(self, kwargs.get("optimizer"), kwargs.get("before_step"))
+
+    join_device = property(lambda self: next((f.full.device for u in self.units
+                                              for f in u.flats), torch.device("cpu")))
+    join_process_group = property(lambda self: self.every_group)
 
     def param_groups(self) -> list[dict]:
         """The ``param_groups=`` given when wrapping, over the user parameters."""

@@ -49,7 +49,7 @@ def test_the_table_spells_every_option():
     options = [line for line in table.splitlines() if not line.startswith(" ")]
     for option in ("stage=0", "stage=1", "stage=2", "stage=3", "units=", "mixed_precision=",
                    "prefetch=", "no_sync", "clip_grad_norm_", "gathered", "full_state_dict",
-                   "process_group=", "mesh="):
+                   "process_group=", "mesh=", "replicate=", "persist_below="):
         assert any(option in line for line in options), option
     for block in table.split("\n")[0::4]:  # every option has its three stock spellings
         i = table.splitlines().index(block)

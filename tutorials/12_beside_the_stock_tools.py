@@ -85,8 +85,7 @@ units={Block}
     DeepSpeed  no units: stage 3 gathers each submodule as it runs
 replicate=nn.LayerNorm, persist_below=n  (stages 1-3: these parameters whole on every rank)
     FSDP1      (none: ignored_modules leaves them out of every gradient average)
-    FSDP2      replicate(norm) (torch.distributed._composable.replicate_with_fsdp), then
-               fully_shard on the rest, on ONE mesh (clip_grad_norm_ stacks their norms)
+    FSDP2      replicate(norm) (_composable.replicate_with_fsdp) + fully_shard(rest), one mesh
     DeepSpeed  "stage3_param_persistence_threshold": n  (elements; its default 1e5, ours 0)
 mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     FSDP1      mixed_precision=MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...)

@@ -1,0 +1,193 @@
+"""Uneven inputs: torch's ``Join`` for a ZeRO model, when ranks have different numbers of batches.
+
+    from torch.distributed.algorithms.join import Join
+    with Join([model], optimizer=opt):       # the optimizer the loop steps
+        for x, y in my_batches:              # this rank's: another rank may have more, or none
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+Every rank must issue the same collectives in the same order. A rank that has run out of batches
+(it has *joined*) cannot just wait: at stages 1-3 it owns a shard of every parameter, gradient
+and optimizer state, and the others' gathers and reductions need it. torch's ``Join`` runs, on a
+joined rank, a loop of one all-reduce counting the ranks still training (they join it at the
+start of each forward: ``Join.notify_join_context``); while any are, it calls our
+``main_hook``, which must issue exactly the collectives one of their iterations issues.
+
+**A shadow step is a real step on an empty batch.** The hook runs the model's forward, and its
+backward, on the last batch shape this rank saw cut to zero rows. So it issues what the engine
+issues for any batch, in the same order, with no list to keep in step with the engine: gathers,
+prefetch, buckets, lazy re-gathers, SyncBatchNorm's all-reduces (an empty rank contributes a
+count of 0), the reductions and find_unused's bitmap (where it reports no unit used). An empty batch has zero gradients, and
+the reductions average over every rank of the engine, joined ones included: the gradient is the
+active ranks' sum over the INITIAL world size, as DDP computes it under ``Join``. Then, as the
+others do, the hook steps the optimizer given to ``Join`` (and zeroes its gradients): the
+joined rank's shard, momentum and Adam state move with everyone's. DDP has nothing to step
+(each rank holds everything; its post-hook broadcasts the final weights); stock
+ZeroRedundancyOptimizer steps its shard without the averaged gradient, and ends wrong.
+
+**What the others are about to do** reaches the joined ranks in one more all-reduce (MAX) at
+each forward of the active ranks, a ``Plan``: will a backward follow (training, or an evaluation
+under ``torch.no_grad()``)? will it reduce (``no_sync()`` accumulates without communication)?
+Rules a loop under ``Join`` keeps, checked on every rank (raised together, never a hang):
+
+* after every backward that reduces, the optimizer given to ``Join`` steps exactly once, before
+  the next forward (a joined rank steps at that point);
+* what the loop runs between backward and step that communicates (clipping by the global norm)
+  is passed as ``before_step=fn``, ``fn(model)``, so a joined rank runs it too::
+
+      clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+      with Join([model], optimizer=opt, before_step=clip):
+          ... loss.backward(); clip(model); opt.step()
+
+* the module accepts a batch of zero rows (the shadow step's input).
+
+A rank with no batch at all has no shape to cut: its first plan asks, and the active ranks send
+theirs (one all-gather of Python objects, once).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
+from torch.utils._pytree import tree_flatten, tree_map
+
+from minishard import comm
+
+__all__ = ["JoinState", "announce", "ZeROJoinHook"]
+
+
+@dataclasses.dataclass
+class JoinState:
+    """One engine's bookkeeping under ``Join``."""
+    optimizer: torch.optim.Optimizer | None = None
+    before_step: object = None      # fn(model), run by a joined rank before its step
+    inputs: tuple | None = None     # (args, kwargs) of the last forward, cut to zero rows
+    shadowing: bool = False         # a joined rank is running a shadow step now
+    synced: int = 0                 # backwards that reduced, since Join began
+    steps: int = 0                  # optimizer steps, since Join began
+    hook: object = None             # the optimizer's step hook (removed by the post-hook)
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the active ranks' step does, as every rank learns it (MAX over ranks)."""
+    backward: bool     # grad is enabled: a backward follows the forward
+    sync: bool         # that backward reduces
+    broken: bool       # some active rank reduced without stepping once since (the rules)
+    needs_inputs: bool  # a joined rank has never seen a batch: send it the shape
+
+    @staticmethod
+    def exchange(mine: list[bool], group) -> "Plan":
+        flags = torch.tensor(mine, dtype=torch.uint8)
+        comm.all_reduce(flags, "max", group, tag="Join: what this step does")
+        return Plan(*map(bool, flags.tolist()))
+
+
+def _zero_rows(t):
+    """A batch tensor's shape with zero rows (a new, empty tensor: it keeps no batch alive)."""
+    return t.new_empty((0, *t.shape[1:])) if isinstance(t, torch.Tensor) and t.dim() else t
+
+
+def _inputs_everywhere(engine, mine) -> tuple:
+    """The active ranks' inputs cut to zero rows, to a joined rank that never saw a batch."""
+    seen = comm.all_gather_object(mine, engine.every_group, tag="Join: the batch's shape")
+    return next(inputs for inputs in seen if inputs is not None)
+
+
+def _refuse_if_broken(plan: Plan) -> None:
+    if plan.broken:
+        raise RuntimeError(
+            "Join with minishard.ZeRO: a backward that reduced gradients was not followed by "
+            "exactly one step of the optimizer given to Join before the next forward (or the "
+            "end of the loop). A joined rank steps at that point, so its shard would differ: "
+            "step once after every backward that reduces; accumulate with model.no_sync() (or "
+            "require_backward_grad_sync = False), and pass Join the optimizer the loop steps.")
+
+
+def announce(engine, args, kwargs) -> None:
+    """An active rank's root forward under ``Join``: tell Join this rank has not joined, and
+    every rank what this step does (joined ranks shadow it)."""
+    work = Join.notify_join_context(engine)
+    if work is not None:
+        work.wait()
+    state = engine._join_state
+    state.inputs = tree_map(_zero_rows, (args, kwargs))
+    plan = Plan.exchange([torch.is_grad_enabled(), engine.require_backward_grad_sync,
+                          state.synced != state.steps, False], engine.every_group)
+    if plan.needs_inputs:
+        _inputs_everywhere(engine, state.inputs)
+    _refuse_if_broken(plan)
+    state.synced, state.steps = 0, 0
+
+
+class ZeROJoinHook(JoinHook):
+    """A joined rank's side: one shadow step per iteration of the active ranks."""
+
+    def __init__(self, engine, optimizer=None, before_step=None) -> None:
+        self.engine, self.state = engine, engine._join_state
+        self.state.optimizer, self.state.before_step = optimizer, before_step
+        self.state.synced = self.state.steps = 0
+        if optimizer is not None:
+            def counted(*_):
+                self.state.steps += 1
+            self.state.hook = optimizer.register_step_post_hook(counted)
+        self.joined = False
+
+    def main_hook(self) -> None:
+        engine, state = self.engine, self.state
+        if not self.joined:  # its own last gradients were stepped: a new backward starts clean
+            self.joined = True
+            state.synced = state.steps = 0
+            self._zero_grad()
+        plan = Plan.exchange([False, False, False, state.inputs is None], engine.every_group)
+        if plan.needs_inputs:
+            state.inputs = _inputs_everywhere(engine, state.inputs)
+        _refuse_if_broken(plan)
+        args, kwargs = state.inputs
+        sync = engine.require_backward_grad_sync
+        state.shadowing = engine._reducer.shadowing = True
+        engine.require_backward_grad_sync = plan.sync
+        try:
+            with torch.set_grad_enabled(plan.backward):
+                out = engine(*args, **kwargs)
+                if plan.backward:
+                    _backward_zeros(out)
+        finally:
+            state.shadowing = engine._reducer.shadowing = False
+            engine.require_backward_grad_sync = sync
+        if plan.backward and plan.sync:
+            if state.before_step is not None:
+                state.before_step(engine)
+            if state.optimizer is not None:
+                state.optimizer.step()
+            self._zero_grad()
+            state.synced = state.steps = 0
+
+    def _zero_grad(self) -> None:
+        if self.state.optimizer is not None:
+            self.state.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.engine.zero_grad(set_to_none=True)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank has joined: the last iteration's rule, checked on every rank. Forwards
+        after the block announce nothing (torch leaves a joinable's config enabled)."""
+        engine, state = self.engine, self.state
+        plan = Plan.exchange([False, False, state.synced != state.steps, False],
+                             engine.every_group)
+        if state.hook is not None:
+            state.hook.remove()
+        state.synced = state.steps = 0
+        engine._join_config = _JoinConfig.construct_disabled_join_config()
+        _refuse_if_broken(plan)
+
+
+def _backward_zeros(out) -> None:
+    """Backward from an empty batch's outputs: their sum (zero), so every unit's gradient
+    hooks fire, as on the active ranks, with zero gradients."""
+    leaves = [t for t in tree_flatten(out)[0]
+              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    if leaves:
+        torch.autograd.backward([t.sum() for t in leaves])

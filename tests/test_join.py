@@ -1,0 +1,270 @@
+"""Uneven inputs under torch's Join (join.py): ranks with different numbers of batches.
+
+The oracles, unmodified:
+  * torch DDP inside ``Join([ddp])`` with a plain optimizer, on the same batches per rank: DDP
+    averages each step's gradient over the initial world size with zeros from joined ranks, and
+    its post-hook hands every rank the last joiner's weights. The wrapped model, at stages 0-3,
+    2-4 ranks, drawn batch counts per rank (a rank with none among them), SGD with momentum or
+    Adam, with prefetch, buckets, no_sync accumulation, replicated parameters, mixed precision
+    (against DDP computing in the same dtype is not possible: mixed precision is checked against
+    the same engine without Join on even batches instead) and torch's clip, ends with DDP's
+    parameters, on every rank (the joined ones stepped their shards too).
+  * One process for SyncBatchNorm: each step's batch is the active ranks' samples together (a
+    joined rank contributes a count of 0), and the loss the sum of the active ranks' means over
+    the initial world size (what the averaged gradient is the gradient of).
+  * A forward-only evaluation at stage 3 under ``torch.no_grad()`` gives the plain model's
+    outputs on every batch a rank has, and finishes.
+No test may hang: every pool has a deadline (conftest's RankPool timeout), and the refusals are
+raised on every rank.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings, strategies as st
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import minishard
+from minishard import ZeRO
+
+TIGHT = dict(rtol=1e-9, atol=1e-11)
+D = 6
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(self.norm(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, batch_norm=False):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.bn = minishard.SyncBatchNorm(D) if batch_norm else nn.Identity()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.out(self.blocks(self.bn(self.inp(x))))
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+}
+
+
+def batches(rank: int, count: int, rows: int = 4):
+    gen = torch.Generator().manual_seed(1000 + rank)
+    return [(torch.randn(rows, D, generator=gen, dtype=torch.float64),
+             torch.randn(rows, 3, generator=gen, dtype=torch.float64)) for _ in range(count)]
+
+
+def clip(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+
+
+def loop(model, opt, data, micro=False, clipped=False):
+    """The user's loop, the same for DDP and minishard: under Join, with no_sync accumulation
+    (two micro-batches, the first without communication) and torch's clip if asked."""
+    with Join([model], optimizer=opt, before_step=clip if clipped else None):
+        for x, y in data:
+            opt.zero_grad()
+            if micro:
+                with model.no_sync():
+                    (((model(x[:2]) - y[:2]) ** 2).sum() / y.numel()).backward()
+                (((model(x[2:]) - y[2:]) ** 2).sum() / y.numel()).backward()
+            else:
+                ((model(x) - y) ** 2).mean().backward()
+            if clipped:
+                clip(model)
+            opt.step()
+
+
+def both(counts, stage, opt_name, micro=False, clipped=False, hybrid=False, **kw):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = Net().double()
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=kw.get("find_unused_parameters", False))
+    if hybrid:
+        from torch.distributed.device_mesh import init_device_mesh
+        kw["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    loop(ddp, OPTIMIZERS[opt_name](ddp.parameters()), batches(rank, counts[rank]), micro,
+         clipped)
+    model = ZeRO(copy.deepcopy(base), stage=stage, units=Block, **kw)
+    loop(model, OPTIMIZERS[opt_name](model.parameters()), batches(rank, counts[rank]), micro,
+         clipped)
+    return model.full_state_dict(), ddp.module.state_dict()
+
+
+def assert_same(a, b, **tol):
+    assert sorted(a) == sorted(b)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **(tol or TIGHT), msg=lambda m: f"{k}: {m}")
+
+
+@settings(max_examples=10)
+@given(world=st.integers(2, 4), stage=st.integers(0, 3), data=st.data(),
+       opt_name=st.sampled_from(sorted(OPTIMIZERS)), prefetch=st.booleans(),
+       bucket_bytes=st.sampled_from([0, 4096]), micro=st.booleans(), clipped=st.booleans(),
+       persist=st.sampled_from([0, 7]), find_unused=st.booleans(), hybrid=st.booleans())
+@example(world=3, stage=3, data=None, opt_name="adam", prefetch=True, bucket_bytes=4096,
+         micro=False, clipped=True, persist=0, find_unused=False, hybrid=False)
+@example(world=2, stage=1, data=None, opt_name="sgd", prefetch=False, bucket_bytes=0,
+         micro=True, clipped=False, persist=7, find_unused=True, hybrid=False)
+@example(world=4, stage=2, data=None, opt_name="sgd", prefetch=False, bucket_bytes=4096,
+         micro=False, clipped=True, persist=0, find_unused=False, hybrid=True)
+@example(world=3, stage=0, data=None, opt_name="adam", prefetch=False, bucket_bytes=0,
+         micro=True, clipped=False, persist=0, find_unused=True, hybrid=False)
+def test_join_equals_ddp_under_join(pools, world, stage, data, opt_name, prefetch, bucket_bytes,
+                                    micro, clipped, persist, find_unused, hybrid):
+    if data is None:  # the explicit examples: a rank with none, the others uneven
+        counts = [3, 0, 5, 1][:world]
+    else:
+        counts = data.draw(st.lists(st.integers(0, 4), min_size=world, max_size=world)
+                           .filter(any))
+    kw = dict(prefetch=prefetch, bucket_bytes=bucket_bytes if stage >= 2 else 0,
+              persist_below=persist, find_unused_parameters=find_unused and stage < 3)
+    hybrid = hybrid and world == 4 and stage > 0
+    for ours, ddp in pools(world).run(both, counts, stage, opt_name, micro, clipped, hybrid,
+                                      **kw):
+        assert_same(ours, ddp)
+
+
+# ---------------------------------------------------------------------------- SyncBatchNorm
+def syncbn_joined(counts, stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = ZeRO(Net(batch_norm=True).double(), stage=stage, units=Block)
+    loop(model, OPTIMIZERS["sgd"](model.parameters()), batches(rank, counts[rank]))
+    return model.full_state_dict()
+
+
+def syncbn_one_process(counts):
+    """Step i: the active ranks' batches together; loss = sum of their means / world size."""
+    torch.manual_seed(0)
+    net = Net(batch_norm=True).double()
+    net.bn = nn.BatchNorm1d(D).double()  # one process: torch's own, on the whole batch
+    opt = OPTIMIZERS["sgd"](net.parameters())
+    data = [batches(r, c) for r, c in enumerate(counts)]
+    for i in range(max(counts)):
+        active = [d[i] for d in data if i < len(d)]
+        x = torch.cat([x for x, _ in active])
+        out, start, loss = net(x), 0, 0
+        for _, y in active:
+            loss = loss + ((out[start:start + len(y)] - y) ** 2).mean()
+            start += len(y)
+        opt.zero_grad()
+        (loss / len(counts)).backward()
+        opt.step()
+    return net.state_dict()
+
+
+@pytest.mark.parametrize("world, stage, counts", [(2, 3, [1, 3]), (3, 1, [2, 0, 3]),
+                                                  (4, 2, [3, 1, 2, 0])])
+def test_syncbatchnorm_under_join_equals_one_process(pools, world, stage, counts):
+    want = syncbn_one_process(counts)
+    for got in pools(world).run(syncbn_joined, counts, stage):
+        assert_same(got, want)
+
+
+# ------------------------------------------------------------------------------ evaluation
+def evaluate(counts, stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    plain = Net().double()
+    model = ZeRO(copy.deepcopy(plain), stage=stage, units=Block)
+    outs = []
+    with torch.no_grad(), Join([model]):
+        for x, _ in batches(rank, counts[rank]):
+            outs.append((model(x), plain(x)))
+    with minishard.ledger() as led, torch.no_grad():  # after the block: no Join traffic
+        model(torch.zeros(1, D, dtype=torch.float64))
+    assert not [e.tag for e in led.entries if e.tag.startswith("Join")]
+    return [torch.allclose(a, b, **TIGHT) for a, b in outs]
+
+
+@pytest.mark.parametrize("world, counts", [(2, [0, 3]), (3, [4, 1, 2])])
+def test_forward_only_evaluation_at_stage_3_finishes(pools, world, counts):
+    for rank, same in enumerate(pools(world).run(evaluate, counts, 3)):
+        assert same == [True] * counts[rank]
+
+
+# ------------------------------------------------------------------------- mixed precision
+def mixed(counts, join):
+    """Stage 3 under bf16 compute, fp32 reduction: under Join, or without it with an empty
+    batch (zero rows) where a rank has none, which is what a joined rank contributes."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = ZeRO(Net().double(), stage=3, units=Block, mixed_precision=minishard.MixedPrecision(
+        param_dtype=torch.float32, reduce_dtype=torch.float32))
+    opt = OPTIMIZERS["adam"](model.parameters())
+    data = batches(rank, counts[rank])
+    if join:
+        loop(model, opt, data)
+    else:
+        data += [(x[:0], y[:0]) for x, y in batches(rank, max(counts))[len(data):]]
+        for x, y in data:
+            opt.zero_grad()
+            (((model(x) - y) ** 2).sum() / max(y.numel(), 1)).backward()  # a mean, or 0
+            opt.step()
+    return model.full_state_dict()
+
+
+def test_mixed_precision_under_join_equals_empty_batches_without_it(pools):
+    counts = [1, 3, 0]
+    want = pools(3).run(mixed, counts, False)
+    for got, expected in zip(pools(3).run(mixed, counts, True), want):
+        assert_same(got, expected, rtol=0, atol=0)
+
+
+# -------------------------------------------------------------------------------- refusals
+def step_every_other(counts):
+    rank = dist.get_rank()
+    model = ZeRO(Net().double(), stage=3, units=Block)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    try:
+        with Join([model], optimizer=opt):
+            for i, (x, y) in enumerate(batches(rank, counts[rank])):
+                ((model(x) - y) ** 2).mean().backward()  # reduces every time...
+                if i % 2:
+                    opt.step()  # ... but steps every other time
+                    opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc)
+    return "finished"
+
+
+def test_a_loop_that_does_not_step_after_each_reduction_is_refused_on_every_rank(pools):
+    for message in pools(2).run(step_every_other, [2, 5]):
+        assert "exactly one step of the optimizer given to Join" in message, message
+
+
+def early_termination(counts, stage):
+    rank = dist.get_rank()
+    model = ZeRO(Net().double(), stage=stage, units=Block)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    try:
+        with Join([model], optimizer=opt, throw_on_early_termination=True):
+            for x, y in batches(rank, counts[rank]):
+                opt.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_throw_on_early_termination_raises_on_every_rank(pools, stage):
+    messages = pools(3).run(early_termination, [2, 4, 4], stage)
+    assert "exhausted all inputs" in messages[0]
+    assert all("exhausted" in m for m in messages[1:]), messages
