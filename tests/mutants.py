@@ -104,8 +104,8 @@ MUTANTS = {
         "find_unused_parameters: reductions launched as they become ready (ranks that ran "
         "different branches then deadlock against SyncBatchNorm's backward all-reduce)",
         [("minishard/reductions.py",
-          "            self._used.add(id(flat))  # launched at the end of backward, in the fixed order",
-          "            self._used.add(id(flat))\n            self._schedule(flat)")],
+          "                self._used.add(id(flat))",
+          "                self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
     "export_copies_on_every_rank": (
         "full_state_dict(rank0_only=True) copies every full tensor out on the other ranks too",
@@ -201,6 +201,17 @@ MUTANTS = {
         [("minishard/unit.py", "if p.grad is not None and (lead or not owned or not "
           "flat.is_replicated(j))]", "if p.grad is not None]")],
         ["tests/test_replicated.py::test_model_clip_counts_a_replicated_gradient_once"]),
+    "joined_rank_skips_its_step": (
+        "under Join a joined rank shadows the collectives but never steps its shard",
+        [("minishard/join.py", "                state.optimizer.step()",
+          "                pass")],
+        ["tests/test_join.py::test_join_equals_ddp_under_join"]),
+    "joined_rank_replays_its_last_batch": (
+        "under Join a joined rank shadows with its last real batch instead of an empty one: its "
+        "gradient and statistics count again",
+        [("minishard/join.py", "    return t.new_empty((0, *t.shape[1:])) if isinstance(t, "
+          "torch.Tensor) and t.dim() else t", "    return t")],
+        ["tests/test_join.py::test_join_equals_ddp_under_join"]),
 }
 
 
