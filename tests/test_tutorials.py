@@ -21,6 +21,7 @@ WORLD_SIZES = (1, 2, 3, 4)
 # Lessons whose contrast vanishes with one rank refuse it (see each one's session(...) call).
 REFUSED = {"03_sync_batchnorm.py": {1}, "07_pick_the_right_tool.py": {1}, "09_break_it.py": {1},
            "10_beyond_one_rank.py": {1}, "11_outgrowing_one_machine.py": {1, 3},
+           "14_uneven_inputs.py": {1},
            "-m minishard.tour": {1}}
 
 # A safety net, not the fix: minishard.launch.session ends every script so that torch 2.13's
