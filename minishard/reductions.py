@@ -80,11 +80,12 @@ class Reducer:
         it waits in a bucket of its own, of config.BUCKET_BYTES, as DDP's gradients do."""
         whole = flat.mode is FlatMode.NONE
         cap = self.bucket_bytes if self.free_grads_early and not whole else config.BUCKET_BYTES
-        bucket = self._buckets.setdefault(whole, [])
+        bucket = self._buckets.get(whole, [])
         if bucket and collective_key(bucket[0]) != collective_key(flat):
             self._flush_bucket(whole)  # one collective moves one dtype
-        self._buckets[whole].append(flat)
-        if sum(f.full_bytes() for f in self._buckets[whole]) >= cap:
+        bucket = self._buckets.setdefault(whole, [])
+        bucket.append(flat)
+        if sum(f.full_bytes() for f in bucket) >= cap:
             self._flush_bucket(whole)
 
     def _flush_bucket(self, whole: bool) -> None:

@@ -212,6 +212,12 @@ MUTANTS = {
         [("minishard/join.py", "    return t.new_empty((0, *t.shape[1:])) if isinstance(t, "
           "torch.Tensor) and t.dim() else t", "    return t")],
         ["tests/test_join.py::test_join_equals_ddp_under_join"]),
+    "joined_rank_reports_usage": (
+        "find_unused_parameters under Join: a joined rank's empty batch marks what it ran as "
+        "used, so a branch no active rank took gets zero gradients and Adam moves it",
+        [("minishard/reductions.py", "            if not self.shadowing:  # a joined rank's",
+          "            if True:  # a joined rank's")],
+        ["tests/test_join.py::test_a_branch_only_the_joined_rank_takes_stays_unused"]),
 }
 
 

@@ -198,6 +198,40 @@ def test_forward_only_evaluation_at_stage_3_finishes(pools, world, counts):
         assert same == [True] * counts[rank]
 
 
+# ---------------------------------------------------------------- find_unused_parameters
+class SmallBatchBranch(Net):
+    """A branch only a batch of fewer than 2 rows takes: no active rank here, but a joined
+    rank's empty batch would. It must count as unused, as under DDP's Join, or it gets zero
+    gradients that Adam turns into steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = nn.Linear(D, 3)
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out + self.extra(x) if x.shape[0] < 2 else out
+
+
+def branch_both(counts, stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = SmallBatchBranch().double()
+    decay = lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.5)  # noqa: E731
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
+    loop(ddp, decay(ddp.parameters()), batches(rank, counts[rank]))
+    model = ZeRO(copy.deepcopy(base), stage=stage, units=(Block, nn.Linear),
+                 find_unused_parameters=True)
+    loop(model, decay(model.parameters()), batches(rank, counts[rank]))
+    return model.full_state_dict(), ddp.module.state_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_branch_only_the_joined_rank_takes_stays_unused(pools, stage):
+    for ours, ddp in pools(3).run(branch_both, [2, 0, 3], stage):
+        assert_same(ours, ddp)
+
+
 # ------------------------------------------------------------------------- mixed precision
 def mixed(counts, join):
     """Stage 3 under bf16 compute, fp32 reduction: under Join, or without it with an empty
