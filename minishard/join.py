@@ -42,6 +42,12 @@ Rules a loop under ``Join`` keeps, checked on every rank (raised together, never
 
 * the module accepts a batch of zero rows (the shadow step's input).
 
+ZeRO-1 over whole parameters (``ShardedOptimizer``) goes under Join through its model: wrap the
+module in ``ZeRO(module, stage=0)`` and pass the ShardedOptimizer as ``optimizer=``. The shadow
+step's reduction hands the joined rank the averaged gradient, and its ``step()`` then updates
+its partition and joins the owners' broadcasts. Beside torch DDP it is refused, because DDP's
+join hook discards that gradient.
+
 A rank with no batch at all has no shape to cut: its first plan asks, and the active ranks send
 theirs (one all-gather of Python objects, once).
 """

@@ -194,6 +194,18 @@ class ShardedOptimizer(Optimizer):
             if bucket:
                 yield owner, bucket
 
+    def join_hook(self, **kwargs):
+        """Uneven inputs under torch's Join: refused as a joinable beside torch DDP (a joined
+        rank's DDP hook discards the averaged gradient its shard must be stepped with: stock
+        ZeroRedundancyOptimizer steps without it and ends wrong). The model's own join hook
+        steps it right: ``Join([minishard.ZeRO(module, stage=0)], optimizer=opt)``."""
+        raise ValueError(
+            "ShardedOptimizer is not a joinable of its own: under Join([ddp, opt]) a joined "
+            "rank never receives the averaged gradient of the parameters it steps (DDP's join "
+            "hook discards it; torch's ZeroRedundancyOptimizer steps without it and ends "
+            "wrong). Wrap the model in minishard.ZeRO(module, stage=0) instead of DDP and "
+            "write: with Join([model], optimizer=opt): (minishard/join.py).")
+
     # ------------------------------------------------------------------------ state dicts
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on group rank ``to`` (every rank calls it): each

@@ -246,8 +246,8 @@ def both_trained(stage, mixed):
     return out
 
 
-@pytest.mark.parametrize("world, stage, mixed", [(1, 3, False), (2, 1, False), (3, 3, False),
-                                                 (4, 2, False), (2, 3, True), (3, 2, True)])
+@pytest.mark.parametrize("world, stage, mixed", [(2, 1, False), (3, 3, False), (4, 2, False),
+                                                 (2, 3, True)])
 def test_replicate_equals_fsdp2_composed_with_torch_replicate(pools, world, stage, mixed):
     tol = dict(rtol=1e-6, atol=1e-7) if mixed else TIGHT
     for (ours, our_grads), (fsdp2, fsdp2_grads) in pools(world).run(both_trained, stage, mixed):
