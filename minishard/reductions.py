@@ -150,9 +150,8 @@ def clip_grad_norm(units, group, sharded: bool, max_norm: float,
     tied weight has one slot; a replicated one, 0-dim or kept whole by ``replicate=``, on the
     shard group's rank 0), then one all-reduce over the shard ``group`` adds the ranks' sums
     (MAX for the inf-norm). Not ``sharded`` (stage 0): identical full gradients on every rank,
-    no collective.
-    With replicas (a 2-D mesh) the sum runs over the shard group only: adding every replica's
-    would count each element R times."""
+    no collective. With replicas (a 2-D mesh) the sum runs over the shard group only: adding
+    every replica's would count each element R times."""
     norm_type = float(norm_type)
     lead = not sharded or comm.group_rank(group) == 0
     grads = [g for unit in units for g in unit.shard_grads()]

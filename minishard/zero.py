@@ -45,6 +45,7 @@ identity on the unit's inputs (``_AfterBackward``) says when their unit's backwa
 Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
 Parameters kept whole (``replicate=``, ``persist_below=``) live in stage 0's buffers inside
 their unit: never gathered nor freed, their gradients all-reduced in a bucket of their own.
+Uneven inputs (torch's ``Join``): a rank out of batches runs this schedule on an empty batch.
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
