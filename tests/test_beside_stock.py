@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,17 +14,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 LESSON = ROOT / "tutorials" / "12_beside_the_stock_tools.py"
 _EXIT_ABORT = "terminate called without an active exception"  # see tests/test_tutorials.py
+_PEER_GONE = "Connection closed by peer"  # a rank gone at teardown, after the lesson finished
 
 
 def torchrun(nproc: int) -> str:
+    """The lesson under torchrun. A run whose lesson finished ("All assertions held.") but
+    whose teardown failed (gloo's exit abort; measured once in about 20 runs at 3 ranks: a rank
+    gone before the closing barrier) is retried once, and the retry REPORTED as a warning."""
     for attempt in (1, 2):
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={nproc}", str(LESSON)],
             cwd=ROOT, capture_output=True, text=True, timeout=180,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode == 0 or _EXIT_ABORT not in proc.stderr or attempt == 2:
+        teardown = ("All assertions held." in proc.stdout
+                    and (_EXIT_ABORT in proc.stderr or _PEER_GONE in proc.stderr))
+        if proc.returncode == 0 or not teardown or attempt == 2:
             break
+        warnings.warn(f"torchrun {nproc} {LESSON.name}: the lesson finished but a rank failed "
+                      "at teardown; retried once (see tests/test_tutorials.py)")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
