@@ -70,7 +70,6 @@ class JoinState:
     optimizer: torch.optim.Optimizer | None = None
     before_step: object = None      # fn(model), run by a joined rank before its step
     inputs: tuple | None = None     # (args, kwargs) of the last forward, cut to zero rows
-    shadowing: bool = False         # a joined rank is running a shadow step now
     synced: int = 0                 # backwards that reduced, since Join began
     steps: int = 0                  # optimizer steps, since Join began
     hook: object = None             # the optimizer's step hook (removed by the post-hook)
@@ -153,7 +152,7 @@ class ZeROJoinHook(JoinHook):
         _refuse_if_broken(plan)
         args, kwargs = state.inputs
         sync = engine.require_backward_grad_sync
-        state.shadowing = engine._reducer.shadowing = True
+        engine._reducer.shadowing = True  # the one flag: zero.py reads it too
         engine.require_backward_grad_sync = plan.sync
         try:
             with torch.set_grad_enabled(plan.backward):
@@ -161,7 +160,7 @@ class ZeROJoinHook(JoinHook):
                 if plan.backward:
                     _backward_zeros(out)
         finally:
-            state.shadowing = engine._reducer.shadowing = False
+            engine._reducer.shadowing = False
             engine.require_backward_grad_sync = sync
         if plan.backward and plan.sync:
             if state.before_step is not None:

@@ -202,7 +202,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         is_root = unit.module is self.module
         in_backward = self._pass is Pass.BACKWARD  # activation checkpointing recomputes
         if is_root and not in_backward:
-            if self._join_config.enable and not self._join_state.shadowing:
+            if self._join_config.enable and not self._reducer.shadowing:
                 announce(self, args, kwargs)  # Join: this rank has not joined; the plan
             self._meters.start_forward()
             self._sync_requires_grad()
