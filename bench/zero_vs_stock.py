@@ -153,6 +153,11 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1, foreach: bool | Non
         m = DDP(fresh())
         return m, ZeroRedundancyOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4, foreach=foreach)
 
+    def ddp_sharded_opt():
+        m = DDP(fresh())
+        return m, minishard.ShardedOptimizer(m.parameters(), torch.optim.Adam, lr=1e-4,
+                                             foreach=foreach)
+
     table = {
         "floor": (lambda: with_adam(fresh()), None, 0),
         "torch DDP": (lambda: with_adam(DDP(fresh())), None, 2 * ring),
@@ -160,7 +165,9 @@ def systems(kind: str, world: int, blocks_per_unit: int = 1, foreach: bool | Non
         # for the whole model: what each collective costs this machine in torch's own C++.
         "torch DDP per-block buckets": (lambda: with_adam(DDP(fresh(), bucket_cap_mb=0.01)),
                                         "torch DDP", 2 * ring),
-        "torch DDP+ZeRO-opt": (ddp_zero_opt, None, 2 * ring),
+        # DDP's all-reduce (two passes) and the owners' broadcasts of the updates (one)
+        "torch DDP+ZeRO-opt": (ddp_zero_opt, None, 3 * ring),
+        "DDP+minishard ShardedOptimizer": (ddp_sharded_opt, "torch DDP+ZeRO-opt", 3 * ring),
         "FSDP1 SHARD_GRAD_OP": (lambda: fsdp1(ShardingStrategy.SHARD_GRAD_OP), None, 2 * ring),
         "FSDP1 FULL_SHARD": (lambda: fsdp1(ShardingStrategy.FULL_SHARD), None, 3 * ring),
         "FSDP2 no-reshard": (lambda: fsdp2(False), None, 2 * ring),
@@ -224,6 +231,7 @@ def step(model, opt, x) -> dict[str, float]:
 
 # ------------------------------------------------------------------------ the alpha-beta limit
 _MATCHING_DESIGN = {"torch DDP": "minishard stage 0", "torch DDP+ZeRO-opt": "minishard stage 1",
+                    "DDP+minishard ShardedOptimizer": "minishard stage 1",
                     "FSDP1 SHARD_GRAD_OP": "minishard stage 2",
                     "FSDP2 no-reshard": "minishard stage 2",
                     "FSDP1 FULL_SHARD": "minishard stage 3", "FSDP2": "minishard stage 3"}

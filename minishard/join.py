@@ -42,11 +42,11 @@ Rules a loop under ``Join`` keeps, checked on every rank (raised together, never
 
 * the module accepts a batch of zero rows (the shadow step's input).
 
-ZeRO-1 over whole parameters (``ShardedOptimizer``) goes under Join through its model: wrap the
-module in ``ZeRO(module, stage=0)`` and pass the ShardedOptimizer as ``optimizer=``. The shadow
-step's reduction hands the joined rank the averaged gradient, and its ``step()`` then updates
-its partition and joins the owners' broadcasts. Beside torch DDP it is refused, because DDP's
-join hook discards that gradient.
+**ZeRO-1 over whole parameters** (``ShardedOptimizer``) goes under Join in either of two ways:
+through a ``ZeRO(module, stage=0)`` model, ``Join([model], optimizer=opt)`` (the shadow step's
+reduction hands the joined rank the averaged gradient), or as a joinable of its own beside torch
+DDP, ``Join([ddp, opt], model=ddp)`` (``ShardedJoinHook`` below). Beside DDP the gradient a
+joined rank steps with has to be sent: DDP's shadow all-reduce discards it.
 
 A rank with no batch at all has no shape to cut: its first plan asks, and the active ranks send
 theirs (one all-gather of Python objects, once).
@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from minishard import comm
 
-__all__ = ["JoinState", "announce", "ZeROJoinHook"]
+__all__ = ["JoinState", "announce", "ZeROJoinHook", "ShardedJoinHook"]
 
 
 @dataclasses.dataclass
@@ -196,3 +196,93 @@ def _backward_zeros(out) -> None:
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if leaves:
         torch.autograd.backward([t.sum() for t in leaves])
+
+
+# ------------------------------------------------------------- ShardedOptimizer beside DDP
+_SHARDED_RULE = (
+    "Join([ddp, opt], model=ddp) with a minishard.ShardedOptimizer: after every forward of "
+    "the DDP model that will reduce, the optimizer steps exactly once (without a closure), "
+    "before the next forward. A joined rank steps with the others whenever DDP reduces, so "
+    "its parameters would differ: step once per reducing backward; accumulate under "
+    "ddp.no_sync(); keep the optimizer after the model in the list of joinables.")
+
+
+class ShardedJoinHook(JoinHook):
+    """``Join([ddp, opt], model=ddp)`` for a ``ShardedOptimizer`` ``opt``.
+
+    Under DDP every active rank holds the same averaged gradient after backward, but a joined
+    rank's DDP hook shadows that all-reduce and discards the result, and the joined rank still
+    owns parameters that must be stepped with it (stock ZeroRedundancyOptimizer steps them
+    without it). So each step under Join begins with one all-reduce (MAX) of a byte per rank
+    (still training?) and a byte per parameter (has a gradient?); if some rank has joined, the
+    first active rank broadcasts the gradients of every joined rank's parameters, bucketed.
+    Then each rank steps what it owns and the owners broadcast, as in any step.
+
+    Whether a step follows is DDP's decision (``no_sync()`` accumulates): a joined rank reads
+    it after DDP's hook has run, from ``model.require_forward_param_sync``. That is why the
+    model is named, and why ``opt`` must come after it among the joinables. The active ranks
+    check the rule this relies on (one step per reducing forward) at each forward and step,
+    before DDP's collectives, and raise; a joined rank is then ended with them (torchrun
+    stops every rank when one fails)."""
+
+    def __init__(self, opt, model) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+        if not isinstance(model, DistributedDataParallel):
+            raise ValueError(
+                "Join with a minishard.ShardedOptimizer needs the DDP model it steps: "
+                "Join([ddp, opt], model=ddp). A minishard.ZeRO model steps it from its own "
+                f"hook instead: Join([model], optimizer=opt). Got model={type(model).__name__}.")
+        self.opt, self.model = opt, model
+        self.pending = False  # an active rank: a forward that will reduce, not yet stepped
+        self.hook = model.register_forward_pre_hook(self._forward)
+
+    def _check(self, ok: bool) -> None:
+        if not ok or self.opt._join_config.is_first_joinable:
+            raise RuntimeError(_SHARDED_RULE)
+
+    def _forward(self, module, args) -> None:
+        if self.opt._join_config.enable:
+            self._check(not self.pending)
+            self.pending = torch.is_grad_enabled() and module.require_backward_grad_sync
+
+    def before_step(self, closure) -> None:
+        """An active rank's ``opt.step()`` under Join: hand the joined ranks their gradients."""
+        self._check(self.pending and closure is None)
+        self.pending = False
+        _hand_out_gradients(self.opt, active=True)
+
+    def main_hook(self) -> None:
+        self._check(True)
+        if self.model.require_forward_param_sync:  # DDP's hook, before this one: it reduced
+            _hand_out_gradients(self.opt, active=False)
+            self.opt._step_owned(None)
+            self.opt.zero_grad(set_to_none=True)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.hook.remove()
+        self.opt._join_config = _JoinConfig.construct_disabled_join_config()
+
+
+def _hand_out_gradients(opt, active: bool) -> None:
+    """The step's exchange under Join (see ShardedJoinHook): joined ranks receive the averaged
+    gradients of the parameters joined ranks own, from the first active rank."""
+    n = opt.world_size
+    if n == 1:
+        return
+    params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+    flags = torch.zeros(n + len(params), dtype=torch.uint8)
+    if active:
+        flags[opt.rank] = 1
+        flags[n:] = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+    comm.all_reduce(flags, "max", opt.process_group, tag="Join: who trains, which gradients")
+    training, present = flags[:n].tolist(), flags[n:].tolist()
+    if all(training):
+        return
+    src = training.index(1)
+    sent = [p for p, has in zip(params, present) if not training[opt.owner[p]] and has]
+    if not active:
+        for p, has in zip(params, present):
+            if not training[opt.owner[p]]:
+                p.grad = torch.empty_like(p) if has else None
+    opt._broadcast([(src, bucket) for bucket in opt._split([p.grad for p in sent])],
+                   tag=f"Join: rank {src}'s gradients for the joined ranks' parameters")

@@ -52,9 +52,12 @@ from collections import deque
 from itertools import chain
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Joinable
 from torch.optim import Optimizer
 
 from minishard import comm
+from minishard.join import ShardedJoinHook
 from minishard.verdicts import ranks_range
 
 __all__ = ["ShardedOptimizer", "BUCKET_BYTES", "assign_owners"]
@@ -76,7 +79,7 @@ def assign_owners(params: list[torch.Tensor], loads: list[int]) -> list[int]:
     return owners
 
 
-class ShardedOptimizer(Optimizer):
+class ShardedOptimizer(Optimizer, Joinable):
     """``ShardedOptimizer(params, optimizer_class, process_group=None, **defaults)``: torch's
     ``ZeroRedundancyOptimizer`` signature and behaviour (see the module doc for the choices).
 
@@ -99,6 +102,7 @@ class ShardedOptimizer(Optimizer):
         _refuse_options(optimizer_class, overlap_with_ddp)
         comm.check_member(process_group, "ShardedOptimizer")
         self._ready = False
+        Joinable.__init__(self)  # uneven inputs: torch's Join beside DDP (join.py)
         params = _listed(params)
         self.optimizer_class, self.process_group = optimizer_class, process_group
         self.world_size = comm.group_size(process_group)
@@ -153,6 +157,11 @@ class ShardedOptimizer(Optimizer):
     def step(self, closure=None, **kwargs):
         """Step this rank's parameters with the inner optimizer (options such as a scheduler's
         ``lr`` flow in from ``param_groups`` first), then broadcast every owner's updates."""
+        if self._join_config.enable:  # under torch's Join: ranks that have joined step too
+            self._join_hook.before_step(closure)
+        return self._step_owned(closure, **kwargs)
+
+    def _step_owned(self, closure, **kwargs):
         loss = None
         if self.optim is not None:
             _copy_options(self.param_groups, self.optim.param_groups, self._inner_index)
@@ -167,44 +176,52 @@ class ShardedOptimizer(Optimizer):
         return loss
 
     def _broadcast_updates(self) -> None:
+        self._broadcast([(owner, bucket) for owner, params in enumerate(self._owned)
+                         for bucket in self._split([p for p in params if p.requires_grad])],
+                        tag="ShardedOptimizer: rank {src}'s parameters")
+
+    def _broadcast(self, buckets: list, tag: str) -> None:
+        """Broadcast each (src, tensors) of ``buckets``, in order, at most ``_IN_FLIGHT`` at
+        once; ``tag`` may name ``{src}``."""
         if self.world_size == 1:
             return
         pending: deque = deque()
-        for owner, bucket in self._buckets():
-            pending.append(_broadcast_bucket(bucket, owner, self.rank, self.process_group))
+        for src, bucket in buckets:
+            pending.append(_broadcast_bucket(bucket, src, self.rank, self.process_group,
+                                             tag.format(src=src)))
             if len(pending) > _IN_FLIGHT:
                 pending.popleft()()
         while pending:
             pending.popleft()()
 
-    def _buckets(self):
-        """(owner, parameters) to broadcast, in the same order on every rank: each owner's
-        trainable parameters, split where the dtype or device changes or ``BUCKET_BYTES`` would
-        be passed."""
-        for owner, params in enumerate(self._owned):
-            bucket, size = [], 0
-            for p in (p for p in params if p.requires_grad):
-                nbytes = p.numel() * p.element_size()
-                if bucket and ((p.dtype, p.device) != (bucket[0].dtype, bucket[0].device)
-                               or size + nbytes > BUCKET_BYTES):
-                    yield owner, bucket
-                    bucket, size = [], 0
-                bucket.append(p)
-                size += nbytes
-            if bucket:
-                yield owner, bucket
+    @staticmethod
+    def _split(tensors: list[torch.Tensor]):
+        """``tensors`` in buckets, the same on every rank: split where the dtype or device
+        changes or ``BUCKET_BYTES`` would be passed."""
+        bucket, size = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if bucket and ((t.dtype, t.device) != (bucket[0].dtype, bucket[0].device)
+                           or size + nbytes > BUCKET_BYTES):
+                yield bucket
+                bucket, size = [], 0
+            bucket.append(t)
+            size += nbytes
+        if bucket:
+            yield bucket
 
-    def join_hook(self, **kwargs):
-        """Uneven inputs under torch's Join: refused as a joinable beside torch DDP (a joined
-        rank's DDP hook discards the averaged gradient its shard must be stepped with: stock
-        ZeroRedundancyOptimizer steps without it and ends wrong). The model's own join hook
-        steps it right: ``Join([minishard.ZeRO(module, stage=0)], optimizer=opt)``."""
-        raise ValueError(
-            "ShardedOptimizer is not a joinable of its own: under Join([ddp, opt]) a joined "
-            "rank never receives the averaged gradient of the parameters it steps (DDP's join "
-            "hook discards it; torch's ZeroRedundancyOptimizer steps without it and ends "
-            "wrong). Wrap the model in minishard.ZeRO(module, stage=0) instead of DDP and "
-            "write: with Join([model], optimizer=opt): (minishard/join.py).")
+    # ------------------------------------------------------------------------------ Join
+    def join_hook(self, model=None, **kwargs) -> ShardedJoinHook:
+        """Uneven inputs, torch's ``Join`` beside DDP: ``Join([ddp, opt], model=ddp)``. A
+        joined rank steps the parameters it owns with the averaged gradient, sent by an active
+        rank (join.py): where torch's ZeroRedundancyOptimizer steps them without it."""
+        self._join_hook = ShardedJoinHook(self, model)
+        return self._join_hook
+
+    join_device = property(lambda self: next(
+        (p.device for g in self.param_groups for p in g["params"]), torch.device("cpu")))
+    join_process_group = property(lambda self: dist.group.WORLD if self.process_group is None
+                                  else self.process_group)
 
     # ------------------------------------------------------------------------ state dicts
     def consolidate_state_dict(self, to: int = 0) -> None:
@@ -347,9 +364,8 @@ def _copy_into(src: dict, dst: dict) -> None:
             dst[key] = value
 
 
-def _broadcast_bucket(bucket: list[torch.Tensor], owner: int, rank: int, group):
+def _broadcast_bucket(bucket: list[torch.Tensor], owner: int, rank: int, group, tag: str):
     """Start broadcasting ``bucket`` from ``owner``; returns the function that finishes it."""
-    tag = f"ShardedOptimizer: rank {owner}'s parameters"
     if len(bucket) == 1:  # alone: straight into the parameter, no copy
         return comm.broadcast(bucket[0].detach(), owner, group, async_op=True, tag=tag).wait
     numel = sum(p.numel() for p in bucket)

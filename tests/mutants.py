@@ -218,6 +218,11 @@ MUTANTS = {
         [("minishard/reductions.py", "            if not self.shadowing:  # a joined rank's",
           "            if True:  # a joined rank's")],
         ["tests/test_join.py::test_a_branch_only_the_joined_rank_takes_stays_unused"]),
+    "joined_owner_steps_without_the_averaged_gradient": (
+        "ShardedOptimizer beside DDP under Join: a joined rank steps what it owns with its own "
+        "stale gradient, as torch's ZeroRedundancyOptimizer does",
+        [("minishard/join.py", "    if all(training):", "    if True:")],
+        ["tests/test_join.py::test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer"]),
 }
 
 

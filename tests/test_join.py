@@ -268,30 +268,84 @@ def test_mixed_precision_under_join_equals_empty_batches_without_it(pools):
 
 
 # ------------------------------------------------------------------------ ShardedOptimizer
-def sharded_optimizer_joined(counts):
-    """ZeRO-1 over parameters (ShardedOptimizer) stepped by a stage-0 model's join hook, and
-    DDP + Adam under Join([ddp]); then Join([ddp, ShardedOptimizer]), refused."""
+def sharded_loop(ddp, opt, data, micro, clipped, joinables):
+    """``loop`` for DDP, whose Join takes the optimizer as a joinable (``model=ddp``)."""
+    with Join(joinables, model=ddp):
+        for x, y in data:
+            opt.zero_grad()
+            if micro:
+                with ddp.no_sync():
+                    (((ddp(x[:2]) - y[:2]) ** 2).sum() / y.numel()).backward()
+                (((ddp(x[2:]) - y[2:]) ** 2).sum() / y.numel()).backward()
+            else:
+                ((ddp(x) - y) ** 2).mean().backward()
+            if clipped:
+                clip(ddp)
+            opt.step()
+
+
+def sharded_optimizer_joined(counts, opt_name, micro, clipped, find_unused):
+    """DDP + a plain optimizer under Join([ddp]) (the oracle); DDP + ShardedOptimizer under
+    Join([ddp, opt], model=ddp); ShardedOptimizer stepped by a stage-0 model's own hook."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    base = Net().double()
-    ddp = DDP(copy.deepcopy(base))
-    loop(ddp, OPTIMIZERS["adam"](ddp.parameters()), batches(rank, counts[rank]))
+    base, data = Net().double(), batches(rank, counts[rank])
+    ddp = DDP(copy.deepcopy(base), find_unused_parameters=find_unused)
+    plain = OPTIMIZERS[opt_name](ddp.parameters())
+    sharded_loop(ddp, plain, data, micro, clipped, [ddp])
+    ours = DDP(copy.deepcopy(base), find_unused_parameters=find_unused)
+    cls, options = type(plain), plain.defaults
+    opt = minishard.ShardedOptimizer(ours.parameters(), cls, **options)
+    sharded_loop(ours, opt, data, micro, clipped, [ours, opt])
     model = ZeRO(copy.deepcopy(base), stage=0)
-    opt = minishard.ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=0.01)
-    loop(model, opt, batches(rank, counts[rank]))
-    try:
-        Join([ddp, minishard.ShardedOptimizer(ddp.parameters(), torch.optim.Adam)])
-        refusal = "accepted"
-    except ValueError as exc:
-        refusal = str(exc)
-    return model.full_state_dict(), ddp.module.state_dict(), refusal
+    opt = minishard.ShardedOptimizer(model.parameters(), cls, **options)
+    loop(model, opt, data, micro, clipped)
+    return ours.module.state_dict(), model.full_state_dict(), ddp.module.state_dict()
 
 
-@pytest.mark.parametrize("world, counts", [(2, [3, 1]), (3, [0, 2, 4]), (4, [2, 2, 0, 1])])
-def test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer(pools, world, counts):
-    for ours, ddp, refusal in pools(world).run(sharded_optimizer_joined, counts):
-        assert_same(ours, ddp)
-        assert "Join([model], optimizer=opt)" in refusal, refusal
+@settings(max_examples=8)
+@given(world=st.integers(2, 4), data=st.data(), opt_name=st.sampled_from(sorted(OPTIMIZERS)),
+       micro=st.booleans(), clipped=st.booleans(), find_unused=st.booleans())
+@example(world=3, data=None, opt_name="adam", micro=True, clipped=True, find_unused=False)
+def test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer(
+        pools, world, data, opt_name, micro, clipped, find_unused):
+    counts = ([1, 4, 0] if data is None else
+              data.draw(st.lists(st.integers(0, 4), min_size=world, max_size=world)))
+    for beside_ddp, through_model, ddp in pools(world).run(
+            sharded_optimizer_joined, counts, opt_name, micro, clipped, find_unused):
+        assert_same(beside_ddp, ddp)
+        assert_same(through_model, ddp)
+
+
+def sharded_refusals():
+    """Join([ddp, opt]) without the model, and a loop that skips a step: refused."""
+    ddp = DDP(Net().double())
+    opt = minishard.ShardedOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1)
+    said = []
+    for joinables, kw in [([ddp, opt], {}), ([ddp, opt], {"model": ZeRO(Net())})]:
+        try:
+            Join(joinables, **kw)
+        except ValueError as exc:
+            said.append(str(exc))
+    x = torch.ones(4, D, dtype=torch.float64)
+    for every in (2, 1):  # a step every other backward; then a ShardedOptimizer listed first
+        try:
+            with Join([ddp, opt] if every == 2 else [opt, ddp], model=ddp):
+                for i in range(4):
+                    ddp(x).sum().backward()
+                    if i % every == every - 1:
+                        opt.step()
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return said
+
+
+def test_sharded_optimizer_under_join_is_refused_where_it_cannot_be_right(pools):
+    for said in pools(2).run(sharded_refusals):
+        assert len(said) == 4, said
+        assert all("Join([ddp, opt], model=ddp)" in s for s in said), said
+        assert "Join([model], optimizer=opt)" in said[1], said
+        assert "steps exactly once" in said[2] and "after the model" in said[3], said
 
 
 # -------------------------------------------------------------------------------- refusals

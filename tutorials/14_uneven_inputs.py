@@ -17,7 +17,9 @@ does not divide by the number of ranks. Every collective needs every rank, so:
     ``Join([ddp])``: each step's gradient is the active ranks' sum over the initial world size.
 (c) The stock ZeRO-1, ``ZeroRedundancyOptimizer``, is a Joinable too, but its joined rank
     steps its shard WITHOUT the averaged gradient (DDP's shadow all-reduce discards it) and
-    broadcasts that: measured here against DDP + Adam, beside minishard's stage 1.
+    broadcasts that: measured here against DDP + Adam, beside minishard's stage 1 and
+    minishard's ``ShardedOptimizer`` in the stock one's place (``Join([ddp, opt], model=ddp)``:
+    an active rank sends the joined ranks the gradients of what they own, then all step).
 FSDP1 and FSDP2 have no Join at all (their validation loops hang: torchtitan issue 1618).
 """
 import copy
@@ -56,7 +58,9 @@ def my_batches(rank: int) -> list:
 
 
 def train(model, opt, batches, joinables=None) -> None:
-    """The user's loop; under ``Join(joinables, optimizer=opt)`` if given."""
+    """The user's loop; under ``Join(joinables, optimizer=opt, model=model)`` if given (each
+    joinable's hook takes the keywords it knows: minishard.ZeRO's the optimizer it steps,
+    ShardedOptimizer's the DDP model)."""
     def steps():
         for x, y in batches:
             opt.zero_grad()
@@ -65,7 +69,7 @@ def train(model, opt, batches, joinables=None) -> None:
     if joinables is None:
         steps()
     else:
-        with Join(joinables, optimizer=opt):
+        with Join(joinables, optimizer=opt, model=model):
             steps()
 
 
@@ -135,9 +139,16 @@ def stock_zero(say, rank: int) -> None:
     ours = minishard.ZeRO(fresh(), stage=1, units=Block)
     train(ours, torch.optim.Adam(ours.parameters(), lr=1e-2), my_batches(rank), [ours])
     ours_diff = max_diff(ours.full_state_dict(), want)
-    assert ours_diff < 1e-12 and stock_diff > 1e-6, (ours_diff, stock_diff)
+    beside = DDP(fresh())
+    opt = minishard.ShardedOptimizer(beside.parameters(), torch.optim.Adam, lr=1e-2)
+    train(beside, opt, my_batches(rank), [beside, opt])
+    beside_diff = max_diff(beside.module.state_dict(), want)
+    assert max(ours_diff, beside_diff) < 1e-12 and stock_diff > 1e-6, (
+        ours_diff, beside_diff, stock_diff)
     say(f"    DDP + ZeroRedundancyOptimizer, Join([ddp, opt]): {stock_diff:.3f} off (its "
         "joined rank stepped without the averaged gradient)")
+    say(f"    DDP + minishard.ShardedOptimizer, Join([ddp, opt], model=ddp): {beside_diff:.1e} "
+        "off")
     say(f"    minishard stage 1, Join([model], optimizer=opt): {ours_diff:.1e} off")
     say("All assertions held.")
 
