@@ -43,6 +43,10 @@ construction and in ``add_param_group``, ONE all-reduce compares every parameter
 ``requires_grad`` and bits across the ranks: parameters that differ (shards of ZeRO stages 1-3
 or FSDP, or a model each rank initialised with its own seed) would be overwritten with another
 rank's values, so every rank refuses them together, naming the first one.
+
+**Uneven inputs** (ranks with different numbers of batches): ``with Join([ddp, opt],
+model=ddp):``. A rank that has run out still owns parameters; each step under Join first sends
+it their averaged gradient (join.py, ``ShardedJoinHook``), then every rank steps what it owns.
 """
 from __future__ import annotations
 
