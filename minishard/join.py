@@ -236,9 +236,16 @@ class ShardedJoinHook(JoinHook):
         self.pending = False  # an active rank: a forward that will reduce, not yet stepped
         self.hook = model.register_forward_pre_hook(self._forward)
 
-    def _check(self, ok: bool) -> None:
+    def _check(self, ok: bool = True) -> None:
+        """The rules; a refusal ends this Join for the optimizer (the block ends with it)."""
         if not ok or self.opt._join_config.is_first_joinable:
+            self._end()
             raise RuntimeError(_SHARDED_RULE)
+
+    def _end(self) -> None:
+        self.hook.remove()
+        self.opt._join_config = _JoinConfig.construct_disabled_join_config()
+        self.pending = False
 
     def _forward(self, module, args) -> None:
         if self.opt._join_config.enable:
@@ -252,15 +259,18 @@ class ShardedJoinHook(JoinHook):
         _hand_out_gradients(self.opt, active=True)
 
     def main_hook(self) -> None:
-        self._check(True)
+        self._check()
         if self.model.require_forward_param_sync:  # DDP's hook, before this one: it reduced
             _hand_out_gradients(self.opt, active=False)
             self.opt._step_owned(None)
             self.opt.zero_grad(set_to_none=True)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self.hook.remove()
-        self.opt._join_config = _JoinConfig.construct_disabled_join_config()
+        """After the loop: the last forward was stepped too. Forwards and steps after the
+        block check nothing (torch leaves a joinable's config enabled)."""
+        pending = self.pending
+        self._end()
+        self._check(not pending)
 
 
 def _hand_out_gradients(opt, active: bool) -> None:

@@ -328,24 +328,29 @@ def sharded_refusals():
         except ValueError as exc:
             said.append(str(exc))
     x = torch.ones(4, D, dtype=torch.float64)
-    for every in (2, 1):  # a step every other backward; then a ShardedOptimizer listed first
+    # a step every other backward; no step after the last; the optimizer listed first
+    for every, iterations, first in [(2, 4, ddp), (2, 1, ddp), (1, 4, opt)]:
         try:
-            with Join([ddp, opt] if every == 2 else [opt, ddp], model=ddp):
-                for i in range(4):
+            with Join([first, opt if first is ddp else ddp], model=ddp):
+                for i in range(iterations):
                     ddp(x).sum().backward()
                     if i % every == every - 1:
                         opt.step()
         except RuntimeError as exc:
             said.append(str(exc))
+    with Join([ddp, opt], model=ddp):  # and the same optimizer, rightly used, still works
+        ddp(x).sum().backward()
+        opt.step()
     return said
 
 
 def test_sharded_optimizer_under_join_is_refused_where_it_cannot_be_right(pools):
     for said in pools(2).run(sharded_refusals):
-        assert len(said) == 4, said
+        assert len(said) == 5, said
         assert all("Join([ddp, opt], model=ddp)" in s for s in said), said
         assert "Join([model], optimizer=opt)" in said[1], said
-        assert "steps exactly once" in said[2] and "after the model" in said[3], said
+        assert all("steps exactly once" in s for s in said[2:4]), said
+        assert "after the model" in said[4], said
 
 
 # -------------------------------------------------------------------------------- refusals
