@@ -1,6 +1,6 @@
 """Tutorial 12 (minishard beside DDP, ZeroRedundancyOptimizer, FSDP1 and FSDP2): it runs at 2 and
 3 ranks (3: the flat buffers are padded) with every pair equal, and its table of spellings
-covers every minishard option. (The lead folds the launch into tests/test_tutorials.py.)"""
+covers every minishard option. tests/test_tutorials.py leaves these two runs to this file."""
 import importlib.util
 import os
 import re

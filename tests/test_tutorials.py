@@ -75,10 +75,13 @@ def test_every_course_tutorial_is_here():
 
 # 04 and 05 at 3 ranks run in test_plots_render, with --plot (one run fewer each: time).
 PLOTS = {"04_zero_stages.py": 3, "05_just_in_time.py": 3}
+# Runs made by another test, which checks more of the output: not launched twice.
+ELSEWHERE = {(name, n) for name, n in PLOTS.items()} | {
+    ("12_beside_the_stock_tools.py", 2), ("12_beside_the_stock_tools.py", 3)}  # test_beside_stock
 
 
 @pytest.mark.parametrize("name, nproc", [(name, n) for name in TUTORIALS for n in WORLD_SIZES
-                                         if PLOTS.get(name) != n])
+                                         if (name, n) not in ELSEWHERE])
 def test_tutorial_at_every_world_size(name, nproc):
     proc = torchrun(nproc, f"tutorials/{name}")
     if nproc in REFUSED.get(name, ()):
