@@ -29,10 +29,14 @@ ZeroRedundancyOptimizer steps its shard without the averaged gradient, and ends 
 **What the others are about to do** reaches the joined ranks in one more all-reduce (MAX) at
 each forward of the active ranks, a ``Plan``: will a backward follow (training, or an evaluation
 under ``torch.no_grad()``)? will it reduce (``no_sync()`` accumulates without communication)?
+When a joined rank will step, the active ranks also send the optimizer's options (its param
+groups but the parameters): a joined rank's own lr stopped with its loop's scheduler.
 Rules a loop under ``Join`` keeps, checked on every rank (raised together, never a hang):
 
 * after every backward that reduces, the optimizer given to ``Join`` steps exactly once, before
-  the next forward (a joined rank steps at that point);
+  the next forward or the end of the loop (a joined rank steps at that point);
+* the optimizer's options do not change between the forward and the step (a scheduler steps
+  after the step, or an lr is set before the forward, as nanoGPT does);
 * what the loop runs between backward and step that communicates (clipping by the global norm)
   is passed as ``before_step=fn``, ``fn(model)``, so a joined rank runs it too::
 
@@ -53,6 +57,7 @@ theirs (one all-gather of Python objects, once).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -70,9 +75,19 @@ class JoinState:
     optimizer: torch.optim.Optimizer | None = None
     before_step: object = None      # fn(model), run by a joined rank before its step
     inputs: tuple | None = None     # (args, kwargs) of the last forward, cut to zero rows
-    synced: int = 0                 # backwards that reduced, since Join began
-    steps: int = 0                  # optimizer steps, since Join began
-    hook: object = None             # the optimizer's step hook (removed by the post-hook)
+    synced: int = 0                 # backwards that reduced, since the last forward
+    steps: int = 0                  # optimizer steps, since the last forward
+    options: list | None = None     # the optimizer's options sent to joined ranks at it
+    changed: bool = False           # ... and they changed before the step
+    hooks: tuple = ()               # the optimizer's step hooks (removed by the post-hook)
+
+    def broken(self) -> bool:
+        """This rank broke the rules since the last forward."""
+        return self.synced != self.steps or self.changed
+
+    def reset(self) -> None:
+        self.synced = self.steps = 0
+        self.options, self.changed = None, False
 
 
 @dataclasses.dataclass
@@ -80,8 +95,9 @@ class Plan:
     """What the active ranks' step does, as every rank learns it (MAX over ranks)."""
     backward: bool     # grad is enabled: a backward follows the forward
     sync: bool         # that backward reduces
-    broken: bool       # some active rank reduced without stepping once since (the rules)
+    broken: bool       # some active rank broke the rules since its last forward
     needs_inputs: bool  # a joined rank has never seen a batch: send it the shape
+    joined: bool       # some rank has joined: if it steps, send it the optimizer's options
 
     @staticmethod
     def exchange(mine: list[bool], group) -> "Plan":
@@ -89,16 +105,48 @@ class Plan:
         comm.all_reduce(flags, "max", group, tag="Join: what this step does")
         return Plan(*map(bool, flags.tolist()))
 
+    def steps_joined(self, optimizer) -> bool:
+        """A joined rank steps this iteration (and takes the active ranks' options)."""
+        return self.joined and self.backward and self.sync and optimizer is not None
+
 
 def _zero_rows(t):
     """A batch tensor's shape with zero rows (a new, empty tensor: it keeps no batch alive)."""
     return t.new_empty((0, *t.shape[1:])) if isinstance(t, torch.Tensor) and t.dim() else t
 
 
-def _inputs_everywhere(engine, mine) -> tuple:
-    """The active ranks' inputs cut to zero rows, to a joined rank that never saw a batch."""
-    seen = comm.all_gather_object(mine, engine.every_group, tag="Join: the batch's shape")
-    return next(inputs for inputs in seen if inputs is not None)
+def _from_active_ranks(mine, group, what: str):
+    """What the active ranks hold (``mine`` there, None on joined ranks), on every rank: one
+    all-gather of Python objects."""
+    seen = comm.all_gather_object(mine, group, tag=f"Join: {what}")
+    return next(theirs for theirs in seen if theirs is not None)
+
+
+def _options(optimizer) -> list[dict]:
+    """Each param group's options, all but its parameters: what a scheduler changes."""
+    return [{k: v for k, v in group.items() if k not in ("params", "param_names")}
+            for group in optimizer.param_groups]
+
+
+@contextlib.contextmanager
+def _stepping_with(optimizer, options: list[dict]):
+    """A joined rank's step takes the active ranks' options (its own scheduler stopped with its
+    loop: its lr is stale); its param groups get their own back after it."""
+    own = _options(optimizer)
+    for group, theirs in zip(optimizer.param_groups, options):
+        group.update(theirs)
+    try:
+        yield
+    finally:
+        for group, mine in zip(optimizer.param_groups, own):
+            group.update(mine)
+
+
+def _same(a, b) -> bool:
+    (xs, spec_a), (ys, spec_b) = tree_flatten(a), tree_flatten(b)
+    return spec_a == spec_b and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        else bool(x == y) for x, y in zip(xs, ys))
 
 
 def _refuse_if_broken(plan: Plan) -> None:
@@ -106,9 +154,12 @@ def _refuse_if_broken(plan: Plan) -> None:
         raise RuntimeError(
             "Join with minishard.ZeRO: a backward that reduced gradients was not followed by "
             "exactly one step of the optimizer given to Join before the next forward (or the "
-            "end of the loop). A joined rank steps at that point, so its shard would differ: "
-            "step once after every backward that reduces; accumulate with model.no_sync() (or "
-            "require_backward_grad_sync = False), and pass Join the optimizer the loop steps.")
+            "end of the loop), or the optimizer's options (a scheduler's lr) changed between "
+            "the forward and the step. A joined rank steps at that point, with the options "
+            "of the forward, so its shard would differ: step once after every backward that "
+            "reduces; accumulate with model.no_sync() (or require_backward_grad_sync = False); "
+            "step the scheduler after the step or before the forward; and pass Join the "
+            "optimizer the loop steps.")
 
 
 def announce(engine, args, kwargs) -> None:
@@ -117,39 +168,51 @@ def announce(engine, args, kwargs) -> None:
     work = Join.notify_join_context(engine)
     if work is not None:
         work.wait()
-    state = engine._join_state
+    state, group = engine._join_state, engine.every_group
     state.inputs = tree_map(_zero_rows, (args, kwargs))
     plan = Plan.exchange([torch.is_grad_enabled(), engine.require_backward_grad_sync,
-                          state.synced != state.steps, False], engine.every_group)
+                          state.broken(), False, False], group)
     if plan.needs_inputs:
-        _inputs_everywhere(engine, state.inputs)
+        _from_active_ranks(state.inputs, group, "the batch's shape")
     _refuse_if_broken(plan)
-    state.synced, state.steps = 0, 0
+    state.reset()
+    if plan.steps_joined(state.optimizer):
+        state.options = _options(state.optimizer)
+        _from_active_ranks(state.options, group, "the optimizer's options")
 
 
 class ZeROJoinHook(JoinHook):
     """A joined rank's side: one shadow step per iteration of the active ranks."""
 
     def __init__(self, engine, optimizer=None, before_step=None) -> None:
-        self.engine, self.state = engine, engine._join_state
-        self.state.optimizer, self.state.before_step = optimizer, before_step
-        self.state.synced = self.state.steps = 0
+        self.engine = engine
+        self.state = state = engine._join_state
+        state.optimizer, state.before_step = optimizer, before_step
+        state.reset()
         if optimizer is not None:
+            def unchanged(opt, *_):  # joined ranks step with the options sent at the forward
+                state.changed |= state.options is not None and not _same(_options(opt),
+                                                                         state.options)
+
             def counted(*_):
-                self.state.steps += 1
-            self.state.hook = optimizer.register_step_post_hook(counted)
+                state.steps += 1
+            state.hooks = (optimizer.register_step_pre_hook(unchanged),
+                           optimizer.register_step_post_hook(counted))
         self.joined = False
 
     def main_hook(self) -> None:
-        engine, state = self.engine, self.state
+        engine, state, group = self.engine, self.state, self.engine.every_group
+        broken = False
         if not self.joined:  # its own last gradients were stepped: a new backward starts clean
-            self.joined = True
-            state.synced = state.steps = 0
+            self.joined, broken = True, state.broken()  # (or it left its loop owing a step)
+            state.reset()
             self._zero_grad()
-        plan = Plan.exchange([False, False, False, state.inputs is None], engine.every_group)
+        plan = Plan.exchange([False, False, broken, state.inputs is None, True], group)
         if plan.needs_inputs:
-            state.inputs = _inputs_everywhere(engine, state.inputs)
+            state.inputs = _from_active_ranks(None, group, "the batch's shape")
         _refuse_if_broken(plan)
+        options = (_from_active_ranks(None, group, "the optimizer's options")
+                   if plan.steps_joined(state.optimizer) else None)
         args, kwargs = state.inputs
         sync = engine.require_backward_grad_sync
         engine._reducer.shadowing = True  # the one flag: zero.py reads it too
@@ -166,9 +229,10 @@ class ZeROJoinHook(JoinHook):
             if state.before_step is not None:
                 state.before_step(engine)
             if state.optimizer is not None:
-                state.optimizer.step()
+                with _stepping_with(state.optimizer, options):
+                    state.optimizer.step()
             self._zero_grad()
-            state.synced = state.steps = 0
+            state.reset()
 
     def _zero_grad(self) -> None:
         if self.state.optimizer is not None:
@@ -180,11 +244,11 @@ class ZeROJoinHook(JoinHook):
         """Every rank has joined: the last iteration's rule, checked on every rank. Forwards
         after the block announce nothing (torch leaves a joinable's config enabled)."""
         engine, state = self.engine, self.state
-        plan = Plan.exchange([False, False, state.synced != state.steps, False],
-                             engine.every_group)
-        if state.hook is not None:
-            state.hook.remove()
-        state.synced = state.steps = 0
+        plan = Plan.exchange([False, False, state.broken(), False, False], engine.every_group)
+        for hook in state.hooks:
+            hook.remove()
+        state.hooks = ()
+        state.reset()
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         _refuse_if_broken(plan)
 
@@ -202,9 +266,10 @@ def _backward_zeros(out) -> None:
 _SHARDED_RULE = (
     "Join([ddp, opt], model=ddp) with a minishard.ShardedOptimizer: after every forward of "
     "the DDP model that will reduce, the optimizer steps exactly once (without a closure), "
-    "before the next forward. A joined rank steps with the others whenever DDP reduces, so "
-    "its parameters would differ: step once per reducing backward; accumulate under "
-    "ddp.no_sync(); keep the optimizer after the model in the list of joinables.")
+    "after the backward and before the next forward or the end of the loop. A joined rank "
+    "steps with the others whenever DDP reduces, so its parameters would differ: step once "
+    "per reducing backward; accumulate under ddp.no_sync(); keep the optimizer after the "
+    "model in the list of joinables.")
 
 
 class ShardedJoinHook(JoinHook):
@@ -215,15 +280,16 @@ class ShardedJoinHook(JoinHook):
     owns parameters that must be stepped with it (stock ZeroRedundancyOptimizer steps them
     without it). So each step under Join begins with one all-reduce (MAX) of a byte per rank
     (still training?) and a byte per parameter (has a gradient?); if some rank has joined, the
-    first active rank broadcasts the gradients of every joined rank's parameters, bucketed.
-    Then each rank steps what it owns and the owners broadcast, as in any step.
+    active ranks send their optimizer's options (a joined rank's scheduler stopped with its
+    loop) and the first of them broadcasts the gradients of every joined rank's parameters,
+    bucketed. Then each rank steps what it owns and the owners broadcast, as in any step.
 
     Whether a step follows is DDP's decision (``no_sync()`` accumulates): a joined rank reads
     it after DDP's hook has run, from ``model.require_forward_param_sync``. That is why the
-    model is named, and why ``opt`` must come after it among the joinables. The active ranks
-    check the rule this relies on (one step per reducing forward) at each forward and step,
-    before DDP's collectives, and raise; a joined rank is then ended with them (torchrun
-    stops every rank when one fails)."""
+    model is named, and why ``opt`` must come after it among the joinables. Each rank checks
+    the rule this relies on (one step after each forward that reduces, before the next) at
+    each forward, step and when it joins, and raises; the other ranks are then ended with it
+    (torchrun stops every rank when one fails)."""
 
     def __init__(self, opt, model) -> None:
         from torch.nn.parallel import DistributedDataParallel
@@ -233,8 +299,8 @@ class ShardedJoinHook(JoinHook):
                 "Join([ddp, opt], model=ddp). A minishard.ZeRO model steps it from its own "
                 f"hook instead: Join([model], optimizer=opt). Got model={type(model).__name__}.")
         self.opt, self.model = opt, model
-        self.pending = False  # an active rank: a forward that will reduce, not yet stepped
-        self.hook = model.register_forward_pre_hook(self._forward)
+        self.pending = False  # a forward that will reduce, not yet stepped
+        self.hook = model.register_forward_hook(self._forward)  # after DDP's forward ran
 
     def _check(self, ok: bool = True) -> None:
         """The rules; a refusal ends this Join for the optimizer (the block ends with it)."""
@@ -247,7 +313,7 @@ class ShardedJoinHook(JoinHook):
         self.opt._join_config = _JoinConfig.construct_disabled_join_config()
         self.pending = False
 
-    def _forward(self, module, args) -> None:
+    def _forward(self, module, args, out) -> None:
         if self.opt._join_config.enable:
             self._check(not self.pending)
             self.pending = torch.is_grad_enabled() and module.require_backward_grad_sync
@@ -259,10 +325,11 @@ class ShardedJoinHook(JoinHook):
         _hand_out_gradients(self.opt, active=True)
 
     def main_hook(self) -> None:
-        self._check()
+        self._check(not self.pending)  # joined with a step owed: the ranks would be out of step
         if self.model.require_forward_param_sync:  # DDP's hook, before this one: it reduced
-            _hand_out_gradients(self.opt, active=False)
-            self.opt._step_owned(None)
+            options = _hand_out_gradients(self.opt, active=False)
+            with _stepping_with(self.opt, options):
+                self.opt._step_owned(None)
             self.opt.zero_grad(set_to_none=True)
 
     def post_hook(self, is_last_joiner: bool) -> None:
@@ -273,12 +340,13 @@ class ShardedJoinHook(JoinHook):
         self._check(not pending)
 
 
-def _hand_out_gradients(opt, active: bool) -> None:
+def _hand_out_gradients(opt, active: bool) -> list[dict] | None:
     """The step's exchange under Join (see ShardedJoinHook): joined ranks receive the averaged
-    gradients of the parameters joined ranks own, from the first active rank."""
+    gradients of the parameters joined ranks own, from the first active rank, and the active
+    ranks' options (returned; None while no rank has joined)."""
     n = opt.world_size
     if n == 1:
-        return
+        return None
     params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
     flags = torch.zeros(n + len(params), dtype=torch.uint8)
     if active:
@@ -287,7 +355,9 @@ def _hand_out_gradients(opt, active: bool) -> None:
     comm.all_reduce(flags, "max", opt.process_group, tag="Join: who trains, which gradients")
     training, present = flags[:n].tolist(), flags[n:].tolist()
     if all(training):
-        return
+        return None
+    options = _from_active_ranks(_options(opt) if active else None, opt.process_group,
+                                 "the optimizer's options")
     src = training.index(1)
     sent = [p for p, has in zip(params, present) if not training[opt.owner[p]] and has]
     if not active:
@@ -296,3 +366,4 @@ def _hand_out_gradients(opt, active: bool) -> None:
                 p.grad = torch.empty_like(p) if has else None
     opt._broadcast([(src, bucket) for bucket in opt._split([p.grad for p in sent])],
                    tag=f"Join: rank {src}'s gradients for the joined ranks' parameters")
+    return options

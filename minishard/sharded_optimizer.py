@@ -219,6 +219,8 @@ class ShardedOptimizer(Optimizer, Joinable):
         """Uneven inputs, torch's ``Join`` beside DDP: ``Join([ddp, opt], model=ddp)``. A
         joined rank steps the parameters it owns with the averaged gradient, sent by an active
         rank (join.py): where torch's ZeroRedundancyOptimizer steps them without it."""
+        if getattr(self, "_join_hook", None) is not None:  # a Join that never ran its post-hook
+            self._join_hook._end()                          # (enable=False) leaves no hook
         self._join_hook = ShardedJoinHook(self, model)
         return self._join_hook
 

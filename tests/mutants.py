@@ -223,6 +223,12 @@ MUTANTS = {
         "stale gradient, as torch's ZeroRedundancyOptimizer does",
         [("minishard/join.py", "    if all(training):", "    if True:")],
         ["tests/test_join.py::test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer"]),
+    "joined_rank_steps_with_its_stale_lr": (
+        "under Join a joined rank steps with its own options, frozen when its loop (and its "
+        "scheduler) stopped, instead of the active ranks'",
+        [("minishard/join.py", "        group.update(theirs)", "        pass")],
+        ["tests/test_join.py::test_join_equals_ddp_under_join",
+         "tests/test_join.py::test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer"]),
 }
 
 

@@ -72,10 +72,14 @@ def clip(model):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
 
 
-def loop(model, opt, data, micro=False, clipped=False):
+def loop(model, opt, data, micro=False, clipped=False, scheduled=False, joinables=None,
+         join_kw=None):
     """The user's loop, the same for DDP and minishard: under Join, with no_sync accumulation
-    (two micro-batches, the first without communication) and torch's clip if asked."""
-    with Join([model], optimizer=opt, before_step=clip if clipped else None):
+    (two micro-batches, the first without communication), torch's clip and a scheduler that
+    steps the lr down after every step (a joined rank's stops with its loop) if asked."""
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.7) if scheduled else None
+    join_kw = join_kw or dict(optimizer=opt, before_step=clip if clipped else None)
+    with Join(joinables or [model], **join_kw):
         for x, y in data:
             opt.zero_grad()
             if micro:
@@ -87,9 +91,12 @@ def loop(model, opt, data, micro=False, clipped=False):
             if clipped:
                 clip(model)
             opt.step()
+            if sched is not None:
+                sched.step()
 
 
-def both(counts, stage, opt_name, micro=False, clipped=False, hybrid=False, **kw):
+def both(counts, stage, opt_name, micro=False, clipped=False, scheduled=False, hybrid=False,
+         **kw):
     rank = dist.get_rank()
     torch.manual_seed(0)
     base = Net().double()
@@ -98,10 +105,10 @@ def both(counts, stage, opt_name, micro=False, clipped=False, hybrid=False, **kw
         from torch.distributed.device_mesh import init_device_mesh
         kw["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
     loop(ddp, OPTIMIZERS[opt_name](ddp.parameters()), batches(rank, counts[rank]), micro,
-         clipped)
+         clipped, scheduled)
     model = ZeRO(copy.deepcopy(base), stage=stage, units=Block, **kw)
     loop(model, OPTIMIZERS[opt_name](model.parameters()), batches(rank, counts[rank]), micro,
-         clipped)
+         clipped, scheduled)
     return model.full_state_dict(), ddp.module.state_dict()
 
 
@@ -115,17 +122,18 @@ def assert_same(a, b, **tol):
 @given(world=st.integers(2, 4), stage=st.integers(0, 3), data=st.data(),
        opt_name=st.sampled_from(sorted(OPTIMIZERS)), prefetch=st.booleans(),
        bucket_bytes=st.sampled_from([0, 4096]), micro=st.booleans(), clipped=st.booleans(),
-       persist=st.sampled_from([0, 7]), find_unused=st.booleans(), hybrid=st.booleans())
+       scheduled=st.booleans(), persist=st.sampled_from([0, 7]), find_unused=st.booleans(),
+       hybrid=st.booleans())
 @example(world=3, stage=3, data=None, opt_name="adam", prefetch=True, bucket_bytes=4096,
-         micro=False, clipped=True, persist=0, find_unused=False, hybrid=False)
+         micro=False, clipped=True, scheduled=True, persist=0, find_unused=False, hybrid=False)
 @example(world=2, stage=1, data=None, opt_name="sgd", prefetch=False, bucket_bytes=0,
-         micro=True, clipped=False, persist=7, find_unused=True, hybrid=False)
+         micro=True, clipped=False, scheduled=True, persist=7, find_unused=True, hybrid=False)
 @example(world=4, stage=2, data=None, opt_name="sgd", prefetch=False, bucket_bytes=4096,
-         micro=False, clipped=True, persist=0, find_unused=False, hybrid=True)
+         micro=False, clipped=True, scheduled=False, persist=0, find_unused=False, hybrid=True)
 @example(world=3, stage=0, data=None, opt_name="adam", prefetch=False, bucket_bytes=0,
-         micro=True, clipped=False, persist=0, find_unused=True, hybrid=False)
+         micro=True, clipped=False, scheduled=True, persist=0, find_unused=True, hybrid=False)
 def test_join_equals_ddp_under_join(pools, world, stage, data, opt_name, prefetch, bucket_bytes,
-                                    micro, clipped, persist, find_unused, hybrid):
+                                    micro, clipped, scheduled, persist, find_unused, hybrid):
     if data is None:  # the explicit examples: a rank with none, the others uneven
         counts = [3, 0, 5, 1][:world]
     else:
@@ -134,8 +142,8 @@ def test_join_equals_ddp_under_join(pools, world, stage, data, opt_name, prefetc
     kw = dict(prefetch=prefetch, bucket_bytes=bucket_bytes if stage >= 2 else 0,
               persist_below=persist, find_unused_parameters=find_unused and stage < 3)
     hybrid = hybrid and world == 4 and stage > 0
-    for ours, ddp in pools(world).run(both, counts, stage, opt_name, micro, clipped, hybrid,
-                                      **kw):
+    for ours, ddp in pools(world).run(both, counts, stage, opt_name, micro, clipped,
+                                      scheduled, hybrid, **kw):
         assert_same(ours, ddp)
 
 
@@ -268,23 +276,7 @@ def test_mixed_precision_under_join_equals_empty_batches_without_it(pools):
 
 
 # ------------------------------------------------------------------------ ShardedOptimizer
-def sharded_loop(ddp, opt, data, micro, clipped, joinables):
-    """``loop`` for DDP, whose Join takes the optimizer as a joinable (``model=ddp``)."""
-    with Join(joinables, model=ddp):
-        for x, y in data:
-            opt.zero_grad()
-            if micro:
-                with ddp.no_sync():
-                    (((ddp(x[:2]) - y[:2]) ** 2).sum() / y.numel()).backward()
-                (((ddp(x[2:]) - y[2:]) ** 2).sum() / y.numel()).backward()
-            else:
-                ((ddp(x) - y) ** 2).mean().backward()
-            if clipped:
-                clip(ddp)
-            opt.step()
-
-
-def sharded_optimizer_joined(counts, opt_name, micro, clipped, find_unused):
+def sharded_optimizer_joined(counts, opt_name, micro, clipped, scheduled, find_unused):
     """DDP + a plain optimizer under Join([ddp]) (the oracle); DDP + ShardedOptimizer under
     Join([ddp, opt], model=ddp); ShardedOptimizer stepped by a stage-0 model's own hook."""
     rank = dist.get_rank()
@@ -292,27 +284,29 @@ def sharded_optimizer_joined(counts, opt_name, micro, clipped, find_unused):
     base, data = Net().double(), batches(rank, counts[rank])
     ddp = DDP(copy.deepcopy(base), find_unused_parameters=find_unused)
     plain = OPTIMIZERS[opt_name](ddp.parameters())
-    sharded_loop(ddp, plain, data, micro, clipped, [ddp])
+    loop(ddp, plain, data, micro, clipped, scheduled)
     ours = DDP(copy.deepcopy(base), find_unused_parameters=find_unused)
     cls, options = type(plain), plain.defaults
     opt = minishard.ShardedOptimizer(ours.parameters(), cls, **options)
-    sharded_loop(ours, opt, data, micro, clipped, [ours, opt])
+    loop(ours, opt, data, micro, clipped, scheduled, [ours, opt], dict(model=ours))
     model = ZeRO(copy.deepcopy(base), stage=0)
     opt = minishard.ShardedOptimizer(model.parameters(), cls, **options)
-    loop(model, opt, data, micro, clipped)
+    loop(model, opt, data, micro, clipped, scheduled)
     return ours.module.state_dict(), model.full_state_dict(), ddp.module.state_dict()
 
 
 @settings(max_examples=8)
 @given(world=st.integers(2, 4), data=st.data(), opt_name=st.sampled_from(sorted(OPTIMIZERS)),
-       micro=st.booleans(), clipped=st.booleans(), find_unused=st.booleans())
-@example(world=3, data=None, opt_name="adam", micro=True, clipped=True, find_unused=False)
+       micro=st.booleans(), clipped=st.booleans(), scheduled=st.booleans(),
+       find_unused=st.booleans())
+@example(world=3, data=None, opt_name="adam", micro=True, clipped=True, scheduled=True,
+         find_unused=False)
 def test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer(
-        pools, world, data, opt_name, micro, clipped, find_unused):
+        pools, world, data, opt_name, micro, clipped, scheduled, find_unused):
     counts = ([1, 4, 0] if data is None else
               data.draw(st.lists(st.integers(0, 4), min_size=world, max_size=world)))
     for beside_ddp, through_model, ddp in pools(world).run(
-            sharded_optimizer_joined, counts, opt_name, micro, clipped, find_unused):
+            sharded_optimizer_joined, counts, opt_name, micro, clipped, scheduled, find_unused):
         assert_same(beside_ddp, ddp)
         assert_same(through_model, ddp)
 
@@ -344,6 +338,39 @@ def sharded_refusals():
     return said
 
 
+def sharded_after_early_termination(counts):
+    """Join([ddp, opt], throw_on_early_termination=True) raises on every rank; then training
+    goes on without Join, as with DDP + a plain optimizer (torch's documented use)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base, data = Net().double(), batches(rank, counts[rank])
+    results = []
+    for sharded in (False, True):
+        ddp = DDP(copy.deepcopy(base))
+        opt = (minishard.ShardedOptimizer(ddp.parameters(), torch.optim.Adam, lr=0.01)
+               if sharded else OPTIMIZERS["adam"](ddp.parameters()))
+        said = "finished"
+        try:
+            loop(ddp, opt, data, joinables=[ddp, opt] if sharded else [ddp],
+                 join_kw=dict(model=ddp, throw_on_early_termination=True))
+        except RuntimeError as exc:
+            said = str(exc)
+        loop_without_join = batches(rank + 10, 2)
+        for x, y in loop_without_join:
+            opt.zero_grad()
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
+        results.append((said, ddp.module.state_dict()))
+    return results
+
+
+def test_sharded_optimizer_trains_on_after_early_termination(pools):
+    for (said_plain, want), (said, got) in pools(2).run(sharded_after_early_termination,
+                                                        [1, 3]):
+        assert "exhausted" in said and "exhausted" in said_plain, (said, said_plain)
+        assert_same(got, want)
+
+
 def test_sharded_optimizer_under_join_is_refused_where_it_cannot_be_right(pools):
     for said in pools(2).run(sharded_refusals):
         assert len(said) == 5, said
@@ -354,25 +381,61 @@ def test_sharded_optimizer_under_join_is_refused_where_it_cannot_be_right(pools)
 
 
 # -------------------------------------------------------------------------------- refusals
-def step_every_other(counts):
+def step_every_other(counts, at_the_top):
+    """A loop that steps every other backward, or at the top of the next iteration (so the
+    rank that leaves first owes a step)."""
     rank = dist.get_rank()
     model = ZeRO(Net().double(), stage=3, units=Block)
     opt = OPTIMIZERS["sgd"](model.parameters())
+    i = -1
     try:
         with Join([model], optimizer=opt):
             for i, (x, y) in enumerate(batches(rank, counts[rank])):
+                if at_the_top and i:
+                    opt.step()
+                    opt.zero_grad()
                 ((model(x) - y) ** 2).mean().backward()  # reduces every time...
-                if i % 2:
+                if i % 2 and not at_the_top:
                     opt.step()  # ... but steps every other time
                     opt.zero_grad()
+    except RuntimeError as exc:
+        return str(exc), i
+    return "finished", i
+
+
+@pytest.mark.parametrize("at_the_top", [False, True])
+def test_a_loop_that_does_not_step_after_each_reduction_is_refused_on_every_rank(pools,
+                                                                                  at_the_top):
+    said = pools(2).run(step_every_other, [2, 5], at_the_top)
+    for message, _ in said:
+        assert "exactly one step of the optimizer given to Join" in message, message
+    # refused at rank 1's first forward after the rule broke, not at the end of its 5 batches:
+    # the second (every other), the third (rank 0 left owing a step after its 2 batches)
+    assert said[1][1] == (2 if at_the_top else 1), said
+
+
+def scheduler_between_forward_and_step(counts):
+    """The lr changed after the forward that sent it to the joined rank: refused."""
+    rank = dist.get_rank()
+    model = ZeRO(Net().double(), stage=2, units=Block)
+    opt = OPTIMIZERS["adam"](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    try:
+        with Join([model], optimizer=opt):
+            for x, y in batches(rank, counts[rank]):
+                opt.zero_grad()
+                ((model(x) - y) ** 2).mean().backward()
+                sched.step()  # before the step: torch warns; a joined rank cannot follow it
+                opt.step()
     except RuntimeError as exc:
         return str(exc)
     return "finished"
 
 
-def test_a_loop_that_does_not_step_after_each_reduction_is_refused_on_every_rank(pools):
-    for message in pools(2).run(step_every_other, [2, 5]):
-        assert "exactly one step of the optimizer given to Join" in message, message
+def test_options_changed_between_forward_and_step_are_refused_on_every_rank(pools):
+    for message in pools(3).run(scheduler_between_forward_and_step, [1, 3, 0]):
+        assert "changed between the forward and the step" in message, message
+    assert pools(2).run(scheduler_between_forward_and_step, [2, 2]) == ["finished"] * 2
 
 
 def early_termination(counts, stage):
