@@ -15,6 +15,8 @@ does not divide by the number of ranks. Every collective needs every rank, so:
     gradient, so its shard moves with everyone's. Drawn per rank below: real steps, shadow steps,
     collectives issued (the same number on every rank, asserted). The result equals DDP under
     ``Join([ddp])``: each step's gradient is the active ranks' sum over the initial world size.
+    The loop decays the lr after every step: a joined rank's scheduler stopped with its loop,
+    so it steps with the options the active ranks send it.
 (c) The stock ZeRO-1, ``ZeroRedundancyOptimizer``, is a Joinable too, but its joined rank
     steps its shard WITHOUT the averaged gradient (DDP's shadow all-reduce discards it) and
     broadcasts that: measured here against DDP + Adam, beside minishard's stage 1 and
@@ -61,11 +63,14 @@ def train(model, opt, batches, joinables=None) -> None:
     """The user's loop; under ``Join(joinables, optimizer=opt, model=model)`` if given (each
     joinable's hook takes the keywords it knows: minishard.ZeRO's the optimizer it steps,
     ShardedOptimizer's the DDP model)."""
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8)
+
     def steps():
         for x, y in batches:
             opt.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
+            sched.step()
     if joinables is None:
         steps()
     else:
