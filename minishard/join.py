@@ -77,7 +77,7 @@ class JoinState:
     inputs: tuple | None = None     # (args, kwargs) of the last forward, cut to zero rows
     synced: int = 0                 # backwards that reduced, since the last forward
     steps: int = 0                  # optimizer steps, since the last forward
-    options: list | None = None     # the optimizer's options sent to joined ranks at it
+    options: list | None = None     # the optimizer's options sent at the last forward
     changed: bool = False           # ... and they changed before the step
     hooks: tuple = ()               # the optimizer's step hooks (removed by the post-hook)
 
