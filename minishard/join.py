@@ -37,6 +37,10 @@ Rules a loop under ``Join`` keeps, checked on every rank (raised together, never
   the next forward or the end of the loop (a joined rank steps at that point);
 * the optimizer's options do not change between the forward and the step (a scheduler steps
   after the step, or an lr is set before the forward, as nanoGPT does);
+* every trainable parameter is in that one optimizer (param groups for different options);
+* a forward with grad enabled is followed by its backward before the next forward (a joined
+  rank shadows it with both): evaluate under ``torch.no_grad()``, after the step. This one
+  is raised on the active ranks, before the next forward's first collective;
 * what the loop runs between backward and step that communicates (clipping by the global norm)
   is passed as ``before_step=fn``, ``fn(model)``, so a joined rank runs it too::
 
@@ -58,6 +62,7 @@ theirs (one all-gather of Python objects, once).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import torch
@@ -79,6 +84,7 @@ class JoinState:
     steps: int = 0                  # optimizer steps, since the last forward
     options: list | None = None     # the optimizer's options sent at the last forward
     changed: bool = False           # ... and they changed before the step
+    unanswered: bool = False        # the last forward had grad enabled; its backward not run
     hooks: tuple = ()               # the optimizer's step hooks (removed by the post-hook)
 
     def broken(self) -> bool:
@@ -87,7 +93,11 @@ class JoinState:
 
     def reset(self) -> None:
         self.synced = self.steps = 0
-        self.options, self.changed = None, False
+        self.options, self.changed, self.unanswered = None, False, False
+
+    def backward_done(self, synced: bool) -> None:
+        self.synced += synced
+        self.unanswered = False
 
 
 @dataclasses.dataclass
@@ -165,10 +175,18 @@ def _refuse_if_broken(plan: Plan) -> None:
 def announce(engine, args, kwargs) -> None:
     """An active rank's root forward under ``Join``: tell Join this rank has not joined, and
     every rank what this step does (joined ranks shadow it)."""
+    state, group = engine._join_state, engine.every_group
+    if state.unanswered:  # a joined rank is in that forward's shadow backward: no collective
+        raise RuntimeError(
+            "Join with minishard.ZeRO: a forward with grad enabled was not followed by its "
+            "backward before the next forward (an evaluation forward inside the training "
+            "step, a forward whose output is not backpropagated, or two forwards into one "
+            "backward). A joined rank shadows each such forward with a forward and a "
+            "backward: run evaluation under torch.no_grad() after the step, and one forward "
+            "per backward.")
     work = Join.notify_join_context(engine)
     if work is not None:
         work.wait()
-    state, group = engine._join_state, engine.every_group
     state.inputs = tree_map(_zero_rows, (args, kwargs))
     plan = Plan.exchange([torch.is_grad_enabled(), engine.require_backward_grad_sync,
                           state.broken(), False, False], group)
@@ -176,8 +194,9 @@ def announce(engine, args, kwargs) -> None:
         _from_active_ranks(state.inputs, group, "the batch's shape")
     _refuse_if_broken(plan)
     state.reset()
-    if plan.steps_joined(state.optimizer):
-        state.options = _options(state.optimizer)
+    state.unanswered = torch.is_grad_enabled()
+    if plan.steps_joined(state.optimizer):  # a copy: a tensor lr changes in place
+        state.options = copy.deepcopy(_options(state.optimizer))
         _from_active_ranks(state.options, group, "the optimizer's options")
 
 
@@ -189,6 +208,7 @@ class ZeROJoinHook(JoinHook):
         self.state = state = engine._join_state
         state.optimizer, state.before_step = optimizer, before_step
         state.reset()
+        _refuse_uncovered(engine, optimizer)
         if optimizer is not None:
             def unchanged(opt, *_):  # joined ranks step with the options sent at the forward
                 state.changed |= state.options is not None and not _same(_options(opt),
@@ -251,6 +271,23 @@ class ZeROJoinHook(JoinHook):
         state.reset()
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         _refuse_if_broken(plan)
+
+
+def _refuse_uncovered(engine, optimizer) -> None:
+    """Every trainable parameter is in the optimizer given to Join, the one a joined rank
+    steps (on every rank, at ``Join(...)``: before any collective)."""
+    if optimizer is None:
+        return  # a loop that steps is refused at its first forward (no step is counted)
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    left = [name for name, p in engine.named_parameters()
+            if p.requires_grad and id(p) not in stepped]
+    if left:
+        raise ValueError(
+            f"Join with minishard.ZeRO: parameters {left[:3]}{' ...' if len(left) > 3 else ''}"
+            " require grad but are not in the optimizer given to Join, which is the one a "
+            "joined rank steps: stepped by another optimizer, its shards of them would stay "
+            "behind. Put every trainable parameter in one optimizer (param groups for "
+            "different options) and pass it: Join([model], optimizer=opt).")
 
 
 def _backward_zeros(out) -> None:

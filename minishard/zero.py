@@ -275,7 +275,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         """Runs once, when autograd has finished the whole backward pass: the reductions not
         launched yet are launched, every one is waited for (reductions.py), stage 3 frees."""
         self._reducer.finish(self.require_backward_grad_sync)
-        self._join_state.synced += self.require_backward_grad_sync
+        self._join_state.backward_done(self.require_backward_grad_sync)
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)

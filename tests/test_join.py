@@ -414,11 +414,12 @@ def test_a_loop_that_does_not_step_after_each_reduction_is_refused_on_every_rank
     assert said[1][1] == (2 if at_the_top else 1), said
 
 
-def scheduler_between_forward_and_step(counts):
-    """The lr changed after the forward that sent it to the joined rank: refused."""
+def scheduler_between_forward_and_step(counts, tensor_lr):
+    """The lr changed after the forward that sent it to the joined rank: refused (a tensor lr
+    changes in place)."""
     rank = dist.get_rank()
     model = ZeRO(Net().double(), stage=2, units=Block)
-    opt = OPTIMIZERS["adam"](model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01) if tensor_lr else 0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     try:
         with Join([model], optimizer=opt):
@@ -432,10 +433,48 @@ def scheduler_between_forward_and_step(counts):
     return "finished"
 
 
-def test_options_changed_between_forward_and_step_are_refused_on_every_rank(pools):
-    for message in pools(3).run(scheduler_between_forward_and_step, [1, 3, 0]):
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_options_changed_between_forward_and_step_are_refused_on_every_rank(pools, tensor_lr):
+    for message in pools(3).run(scheduler_between_forward_and_step, [1, 3, 0], tensor_lr):
         assert "changed between the forward and the step" in message, message
-    assert pools(2).run(scheduler_between_forward_and_step, [2, 2]) == ["finished"] * 2
+    assert pools(2).run(scheduler_between_forward_and_step, [2, 2], tensor_lr) == \
+        ["finished"] * 2
+
+
+def forwards_out_of_pattern(pattern):
+    """Loops that work without Join, but not one forward, its backward and a step: refused on
+    every rank before a collective (a joined rank shadows a forward with a backward); and two
+    optimizers, of which Join knows one, refused at Join(...)."""
+    model = ZeRO(Net().double(), stage=3, units=Block)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    x, y = batches(dist.get_rank(), 1)[0]
+    try:
+        if pattern == "two optimizers":
+            out = dict(model.named_parameters())
+            Join([model], optimizer=OPTIMIZERS["sgd"]([out["module.out.weight"],
+                                                       out["module.out.bias"]]))
+        with Join([model], optimizer=opt):
+            for _ in range(2):
+                loss = ((model(x) - y) ** 2).mean()
+                if pattern == "evaluation inside the step":
+                    with torch.no_grad():
+                        model(x)
+                elif pattern == "two forwards, one backward":
+                    loss = loss + ((model(x) - y) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+    return "finished"
+
+
+@pytest.mark.parametrize("pattern", ["evaluation inside the step", "two forwards, one backward",
+                                     "two optimizers"])
+def test_forwards_out_of_pattern_are_refused_on_every_rank(pools, pattern):
+    for message in pools(2).run(forwards_out_of_pattern, pattern):
+        assert ("was not followed by its backward" in message if pattern != "two optimizers"
+                else "['module.inp.weight', 'module.inp.bias'," in message), message
 
 
 def early_termination(counts, stage):
