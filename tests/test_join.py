@@ -7,8 +7,10 @@ The oracles, unmodified:
     2-4 ranks, drawn batch counts per rank (a rank with none among them), SGD with momentum or
     Adam, with prefetch, buckets, no_sync accumulation, replicated parameters, mixed precision
     (against DDP computing in the same dtype is not possible: mixed precision is checked against
-    the same engine without Join on even batches instead) and torch's clip, ends with DDP's
-    parameters, on every rank (the joined ones stepped their shards too).
+    the same engine without Join on even batches instead), torch's clip and a scheduler that
+    decays the lr after every step (a joined rank's stops with its loop), ends with DDP's
+    parameters, on every rank (the joined ones stepped their shards too). The same oracle for
+    ShardedOptimizer, beside DDP (``Join([ddp, opt], model=ddp)``) and over a stage-0 model.
   * One process for SyncBatchNorm: each step's batch is the active ranks' samples together (a
     joined rank contributes a count of 0), and the loss the sum of the active ranks' means over
     the initial world size (what the averaged gradient is the gradient of).
@@ -312,7 +314,8 @@ def test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer(
 
 
 def sharded_refusals():
-    """Join([ddp, opt]) without the model, and a loop that skips a step: refused."""
+    """Join([ddp, opt]) without the model or with a minishard model, loops that skip a step,
+    the optimizer listed first: refused. Then the same optimizer, rightly used, still works."""
     ddp = DDP(Net().double())
     opt = minishard.ShardedOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1)
     said = []
@@ -332,7 +335,7 @@ def sharded_refusals():
                         opt.step()
         except RuntimeError as exc:
             said.append(str(exc))
-    with Join([ddp, opt], model=ddp):  # and the same optimizer, rightly used, still works
+    with Join([ddp, opt], model=ddp):
         ddp(x).sum().backward()
         opt.step()
     return said
@@ -355,8 +358,7 @@ def sharded_after_early_termination(counts):
                  join_kw=dict(model=ddp, throw_on_early_termination=True))
         except RuntimeError as exc:
             said = str(exc)
-        loop_without_join = batches(rank + 10, 2)
-        for x, y in loop_without_join:
+        for x, y in batches(rank + 10, 2):  # on, without Join
             opt.zero_grad()
             ((ddp(x) - y) ** 2).mean().backward()
             opt.step()
