@@ -99,6 +99,11 @@ class JoinState:
         self.synced += synced
         self.unanswered = False
 
+    def remove_hooks(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = ()
+
 
 @dataclasses.dataclass
 class Plan:
@@ -208,6 +213,7 @@ class ZeROJoinHook(JoinHook):
         self.state = state = engine._join_state
         state.optimizer, state.before_step = optimizer, before_step
         state.reset()
+        state.remove_hooks()  # a Join that raised never ran its post-hook
         _refuse_uncovered(engine, optimizer)
         if optimizer is not None:
             def unchanged(opt, *_):  # joined ranks step with the options sent at the forward
@@ -265,9 +271,7 @@ class ZeROJoinHook(JoinHook):
         after the block announce nothing (torch leaves a joinable's config enabled)."""
         engine, state = self.engine, self.state
         plan = Plan.exchange([False, False, state.broken(), False, False], engine.every_group)
-        for hook in state.hooks:
-            hook.remove()
-        state.hooks = ()
+        state.remove_hooks()
         state.reset()
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         _refuse_if_broken(plan)
