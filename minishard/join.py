@@ -70,6 +70,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.utils._pytree import tree_flatten, tree_map
 
 from minishard import comm
+from minishard.full_state import hyperparameters
 
 __all__ = ["JoinState", "announce", "ZeROJoinHook", "ShardedJoinHook"]
 
@@ -139,8 +140,7 @@ def _from_active_ranks(mine, group, what: str):
 
 def _options(optimizer) -> list[dict]:
     """Each param group's options, all but its parameters: what a scheduler changes."""
-    return [{k: v for k, v in group.items() if k not in ("params", "param_names")}
-            for group in optimizer.param_groups]
+    return [hyperparameters(group) for group in optimizer.param_groups]
 
 
 @contextlib.contextmanager
