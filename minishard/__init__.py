@@ -12,7 +12,7 @@ schedule), unit.py (a unit's work), gathers.py and reductions.py (when collectiv
   layout.py          Layout: which rows of which parameter sit where (no storage)
   dtensors.py        the user parameters as DTensors of this rank's rows; DTensor's collectives
   reductions.py      gradient reductions: buckets, in-flight limit, find_unused's order and bitmap
-  gathers.py         gathers beyond "just before it runs": order, prefetch, buckets, lazy re-gathers
+  gathers.py         gathers beyond "just before it runs": order, prefetch, buckets, re-gathers
   config.py          ZeRO's arguments in full: checks, mesh groups, mixed precision, param groups
   build.py           construction: finding units, tied/shared parameters' owners, flat buffers
   deferred_init.py   materialising a meta-device model one module at a time

@@ -76,7 +76,7 @@ __all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "che
 #   at most MAX_REDUCTIONS_IN_FLIGHT unfinished; ``bucket_bytes`` coalesces up to that many;
 # * stage 3 gathers (Gatherer.gather): with ``bucket_bytes``, once the order is known, the units
 #   that run next join a unit's gather;
-# * stages 1-2 lazy re-gathers (Gatherer.refresh_stale): the stale buffers in forward order, in
+# * stages 1-2 re-gathers (Gatherer.refresh_stale): the stale buffers in forward order, in
 #   collectives of about BUCKET_BYTES, at most MAX_GATHERS_IN_FLIGHT unfinished.
 # Read where it is used, at the time it is used (tests change it).
 BUCKET_BYTES = 4 * 2**20

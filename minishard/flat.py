@@ -145,7 +145,7 @@ class FlatBuffer(Layout):
         elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
-        self._gathered_version = 0
+        self.current = False  # full holds the shards as they are now (needs_gather)
 
     # ----------------------------------------------------------------- the user parameters
     def shard_views(self) -> list[torch.Tensor]:
@@ -180,7 +180,6 @@ class FlatBuffer(Layout):
             if grad is not None:
                 p.grad = self.as_user(j, self.my_rows(j, grad).clone())
             self.params.append(p)
-        self._gathered_version = self.version()
         return self.params
 
     def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
@@ -194,13 +193,12 @@ class FlatBuffer(Layout):
         self.requires_grad = any(p.requires_grad for p in self.params)
         self.full.requires_grad_(self.requires_grad)
 
-    def version(self) -> int:
-        """Changes whenever a user parameter is written in place (an optimizer step, a load)."""
-        return sum(p._version for p in self.params)
-
     def mark_stale(self) -> None:
-        """A shard was written under the engine (a load): ``full`` must be gathered again."""
-        self._gathered_version = -1
+        """The shards are the user's again (unit.py: ``to_sharded``), or were loaded: whatever
+        writes them next (an optimizer step, ``p.data.mul_``, a foreach op, a load) the next use
+        of ``full`` gathers it first. No version counter is trusted: a foreach op or a write
+        through ``.data`` on a DTensor moves none."""
+        self.current = False
 
     # ----------------------------------------------------------------------- full's storage
     def unsharded_views(self, detached: bool = False) -> list[torch.Tensor]:
@@ -230,11 +228,11 @@ class FlatBuffer(Layout):
     @property
     def needs_gather(self) -> bool:
         """Must a gather refresh ``full`` before the module reads it? Never when full IS the
-        parameters (stage 0 without a cast); else when it is freed, or older than the shards
-        (an optimizer step or a load wrote them since: their ``_version`` moved)."""
+        parameters (stage 0 without a cast); else when it is freed, or when the shards were
+        handed back to the user since it was gathered (:meth:`mark_stale`)."""
         if self.mode is FlatMode.NONE and self.shard is None:
             return False
-        return not self.is_gathered or self.version() != self._gathered_version
+        return not self.is_gathered or not self.current
 
     def mark_current(self) -> None:
         """``full`` holds the current shards, or will when the gather starting now lands: a
@@ -244,7 +242,7 @@ class FlatBuffer(Layout):
         storage = self.full.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.full_bytes())
-        self._gathered_version = self.version()
+        self.current = True
 
     def send_pieces(self) -> list[torch.Tensor]:
         """What this rank contributes to a gather (k elements, padded, in pieces): its own

@@ -123,8 +123,7 @@ def gathered(units, writeback: bool, on_gather, put_back):
 
 def load_rows(flat, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
     """Set ``flat``'s shards from the full ``values`` (one per parameter; each rank keeps its
-    rows), so the next use gathers. ``only_if_changed``: leave an equal shard (and its
-    version: no re-gather)."""
+    rows), so the next use gathers. ``only_if_changed``: leave an equal shard unwritten."""
     with torch.no_grad():
         for j, (rows, value) in enumerate(zip(flat.locals, values)):
             mine = flat.my_rows(j, local(value)).to(flat.dtype)
@@ -135,12 +134,11 @@ def load_rows(flat, values: list[torch.Tensor], only_if_changed: bool = False) -
 
 def _write_back(flat) -> None:
     """Copy this rank's rows of ``full`` (edited in a ``gathered()`` block) into the shards,
-    which are views of full unless they own their storage; full is then current."""
+    which are views of full unless they own their storage."""
     with torch.no_grad():
         if flat.shard is not None:
             for j, rows in enumerate(flat.locals):
                 rows.copy_(flat.my_rows(j, flat.param_in(flat.full.data, j)))
-    flat.mark_current()
 
 
 def buffer_state(module) -> dict[str, torch.Tensor]:

@@ -8,11 +8,10 @@ it runs" (zero.py's hooks ask for that; :meth:`Gatherer.gather` does it).
   costs memory, never correctness: a unit waits for its own gather.
 * **Buckets at stage 3** (``bucket_bytes``, [Note: buckets] in config.py): once the order is
   known, a unit's gather also carries the units that run after it, up to about bucket_bytes.
-* **Lazy re-gathers** (stages 1-2): the optimizer step changes the shards, not the full
-  buffers. The next forward notices (a shard's ``_version`` moved: ``flat.needs_gather``) and
-  re-gathers every stale buffer, in forward order, in buckets ([Note: buckets]; each in-flight
-  one holds a staging buffer, see ``flat.gather_params``); each unit waits only for the gather
-  that carries it.
+* **Re-gathers** (stages 1-2): between steps the user writes the shards, not the full buffers
+  (unit.py: ``to_sharded`` marks them stale). The next forward re-gathers every stale buffer,
+  in forward order, in buckets ([Note: buckets]; each in-flight one holds a staging buffer,
+  see ``flat.gather_params``); each unit waits only for the gather that carries it.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Pass(enum.Enum):
 
 
 class Gatherer:
-    """The order units run in, prefetch, stage-3 buckets and stage 1-2 lazy re-gathers."""
+    """The order units run in, prefetch, stage-3 buckets and stage 1-2 re-gathers."""
 
     def __init__(self, units, meters, *, free_after_forward: bool, bucket_bytes: int,
                  prefetch: bool, find_unused: bool) -> None:

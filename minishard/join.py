@@ -17,7 +17,7 @@ start of each forward: ``Join.notify_join_context``); while any are, it calls ou
 **A shadow step is a real step on an empty batch.** The hook runs the model's forward, and its
 backward, on the last batch shape this rank saw cut to zero rows. So it issues what the engine
 issues for any batch, in the same order, with no list to keep in step with the engine: gathers,
-prefetch, buckets, lazy re-gathers, SyncBatchNorm's all-reduces (an empty rank contributes a
+prefetch, buckets, re-gathers, SyncBatchNorm's all-reduces (an empty rank contributes a
 count of 0), the reductions and find_unused's bitmap (where it reports no unit used). An empty batch has zero gradients, and
 the reductions average over every rank of the engine, joined ones included: the gradient is the
 active ranks' sum over the INITIAL world size, as DDP computes it under ``Join``. Then, as the

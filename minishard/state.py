@@ -408,7 +408,6 @@ def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None
             buf.copy_(buffers[name])
     if optimizer is not None:
         load_rows_into(optimizer, optim_sd)
-    model.refresh_full_params()  # stages 0-2 re-gather, one unit at a time; stage 3 when it runs
 
 
 class _ShardFiles:

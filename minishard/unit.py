@@ -145,10 +145,15 @@ class Unit:
         for flat, views in zip(self.flats, self._shown):
             self.set_places(flat, views)
 
-    def to_sharded(self) -> None:
-        """Every place holds its user parameter again (between steps)."""
+    def to_sharded(self, keep_current: bool = False) -> None:
+        """Every place holds its user parameter again (between steps): from now on the user
+        may write the shards, however spelled, so ``full`` is stale until the next gather.
+        ``keep_current``: between the micro-batches of one step (after a ``no_sync``
+        backward), whose gradients are all taken at the same parameters, as FSDP1 keeps them."""
         for flat in self.flats:
             self.set_places(flat, flat.params)
+            if not keep_current:
+                flat.mark_stale()
 
     def set_places(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
         """Point every place of ``flat``'s parameter j at ``values[j]`` (the module's own

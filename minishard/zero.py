@@ -13,8 +13,10 @@ below, and nothing else:
     2      always                   per unit, until reduced     reduce-scatter           its rows
     3      while the unit computes  per unit, until reduced     reduce-scatter           its rows
 
-After the optimizer step, stages 1 and 2 all-gather the updated shards back into the full
-buffers lazily: the next forward (or ``gathered()``, or a state dict) notices that a shard changed.
+Between steps the user holds the shards and may write them however they like (an optimizer,
+``p.data``, a foreach op): stages 1 and 2 all-gather them back into the full buffers at the next
+forward (or ``gathered()``, or a state dict), since no counter sees every write; only the
+micro-batches of one step (after a ``no_sync`` backward) reuse them, as FSDP1 does.
 
 The life of one stage-3 unit in one step, and what implements each event (ZeRO's hooks below;
 Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
@@ -33,9 +35,9 @@ Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
                                                                 Reducer.grad_ready, Unit.release
     end-of-backward       queued by backward's first hook:      _finish_backward: Reducer.finish
       callback            wait for every reduction; free
-    optimizer step        the user's optimizer writes the       torch.optim; the shards'
-                          shards in place                       _version moves: needs_gather
-    lazy re-gather        stages 1-2: stale buffers, at the     _pre_forward (root):
+    optimizer step        the user's optimizer writes the       torch.optim (to_sharded made
+                          shards in place                       every full buffer stale)
+    re-gather             stages 1-2: every buffer, at the      _pre_forward (root):
                           next forward                          Gatherer.refresh_stale
 
 A unit that got no gradient keeps ``grad=None``, as in one process (find_unused_parameters: a
@@ -191,9 +193,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._pass = Pass.FORWARD  # see _start_backward
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         self._join_state = JoinState()
-        for unit in self.units:     # stage 3 starts sharded; the others keep full params
+        for unit in self.units:     # at rest: the user parameters; the first forward gathers
             self._reshard(unit)
-        self.refresh_full_params()  # deferred init filled only an OWN buffer's shard
         self._meters.note_gathered()
 
     # --------------------------------------------------------------------------------- hooks
@@ -279,12 +280,12 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)
-        self._to_sharded()
+        self._to_sharded(keep_current=not self.require_backward_grad_sync)
         self._pass = Pass.FORWARD
 
-    def _to_sharded(self) -> None:
+    def _to_sharded(self, keep_current: bool = False) -> None:
         for unit in self.units:
-            unit.to_sharded()
+            unit.to_sharded(keep_current)
 
     def _sync_requires_grad(self) -> None:
         """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
@@ -366,14 +367,6 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         at a time through one staging buffer (the largest's size), each rank keeping its rows."""
         full_state.load_full_state_dict(self.units, self.module, self.state_keys,
                                         self.every_group, state_dict, from_rank0)
-        self.refresh_full_params()
-
-    def refresh_full_params(self) -> None:
-        """(For the package.) The shards changed under the engine (a load): stages 0-2 gather
-        the full parameters now, one unit at a time; stage 3 gathers each unit when it runs."""
-        for unit in self.units:
-            if not self.policy.free_after_forward:
-                unit.gather(on_gather=self._meters.on_gather)
 
     def record_events(self):
         """A context manager yielding the list of what the engine does per unit, in order

@@ -215,13 +215,13 @@ def test_ledger_inside_and_across_nodes_is_the_hybrid_formula(pools, spec, stage
         everything = Fraction(2 * (n - 1) * 4 * sum(map(numel, trainable)), n)
         inside, across = (everything, 0) if r_ == 1 else (0, everything)
     else:
-        gathers = 2 * psi_all if stage == 3 else psi
+        gathers = 2 * psi_all if stage == 3 else psi_all  # stages 1-2: frozen ones too
         inside = Fraction((s_ - 1) * 4 * (gathers + psi), s_)
         across = Fraction(2 * (r_ - 1) * 4 * (psi // s_), r_)
     psi_n = sum(padded(t, n) for t in trainable)
     psi_all_n = sum(padded(k, n) for _, _, k in bufs)
     full = (Fraction(2 * (n - 1) * 4 * sum(map(numel, trainable)), n) if stage == 0 else
-            Fraction((n - 1) * 4 * ((2 * psi_all_n if stage == 3 else psi_n) + psi_n), n))
+            Fraction((n - 1) * 4 * ((2 * psi_all_n if stage == 3 else psi_all_n) + psi_n), n))
 
     hybrid = pools(4).run(ledger_one_step_on, shape, spec, stage, units, 2)
     flat = pools(4).run(ledger_one_step_on, None, spec, stage, units, 2)

@@ -493,8 +493,8 @@ def expected_ledger(cfg: dict, stage: int, ws: int, steps: int) -> dict:
     """op -> (calls, elements) over ``steps`` steps from wrapping, by the stage table: stage 0
     one all-reduce per step of every trainable element (these models are far below the 4 MiB
     bucket); 1 one coalesced reduce-scatter per step, 2 one per trainable buffer, both with each
-    parameter's rows padded to a multiple of ws (test_zero.padded), and a coalesced re-gather at
-    each of the later steps' forwards; 3 two all-gathers of every buffer per step (forward,
+    parameter's rows padded to a multiple of ws (test_zero.padded), and a coalesced gather of
+    every buffer (frozen ones too) at each step's forward; 3 two all-gathers of every buffer per step (forward,
     backward) and one reduce-scatter of each trainable one."""
     flats = expected_flats(cfg)
     pad = lambda shapes: padded(shapes, ws)
@@ -504,7 +504,7 @@ def expected_ledger(cfg: dict, stage: int, ws: int, steps: int) -> dict:
     if stage in (1, 2):
         calls = steps if stage == 1 else steps * len(trainable)
         return {"reduce_scatter": (calls, steps * sum(map(pad, trainable))),
-                "all_gather": (steps - 1, (steps - 1) * sum(map(pad, trainable)))}
+                "all_gather": (steps, steps * sum(pad(n) for _, n in flats))}
     return {"all_gather": (2 * steps * len(flats), 2 * steps * sum(pad(n) for _, n in flats)),
             "reduce_scatter": (steps * len(trainable), steps * sum(map(pad, trainable)))}
 
@@ -751,7 +751,7 @@ def test_prefetch_is_bitwise_identical_same_bytes_bounded_peak(
 
 
 def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
-    """Stages 0-2 coalesce reductions (0-1) and the re-gathers after a step (1-2) into
+    """Stages 0-2 coalesce reductions (0-1) and the forward's re-gathers (1-2) into
     collectives of about config.BUCKET_BYTES. With a 1-byte cap every buffer travels alone, with a
     huge one everything travels together; both must train like the oracle."""
     ws = dist.get_world_size()
@@ -766,10 +766,11 @@ def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
         calls[cap] = (led.count("all_reduce" if stage == 0 else "reduce_scatter"),
                       led.count("all_gather"))
     trainable = sum(f.requires_grad for u in model.units for f in u.flats)
-    regathers = steps - 1 if stage in (1, 2) else 0  # lazily, at the next step's forward
+    buffers = sum(len(u.flats) for u in model.units)
+    gathers = steps if stage in (1, 2) else 0  # every buffer, at each step's forward
     reduce_each = stage == 2  # stage 2 reduces each unit as soon as it is ready, to free it
-    assert calls[1] == (steps * trainable, regathers * trainable), calls
-    assert calls[2**40] == (steps * (trainable if reduce_each else 1), regathers), calls
+    assert calls[1] == (steps * trainable, gathers * buffers), calls
+    assert calls[2**40] == (steps * (trainable if reduce_each else 1), gathers), calls
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

@@ -305,7 +305,7 @@ def test_matches_single_process_training(pools, spec, stage, world, units, opt_n
 def ledger_one_step(spec, stage, units, per_rank, prefetch):
     """Steady state: one full step first (the optimizer has state, stage 1-2 shards are now
     newer than the full buffers, stage 3 buffers are freed). Then record exactly
-    forward + backward + step + zero_grad. The window contains, for stages 1-2, the lazy
+    forward + backward + step + zero_grad. The window contains, for stages 1-2, the
     all-gather of the PREVIOUS step's update (issued by this forward), which is the one all-gather
     per step of the stage table; every step in a loop looks like this window. Prefetching only
     moves gathers earlier (asynchronous), so the ledger is the same with it."""
@@ -340,12 +340,14 @@ def test_ledger_one_step_is_the_stage_formula(pools, spec, stage, world, units, 
         expect = {"all_reduce": [sum(map(numel, trainable))] if trainable else []}
         psi = sum(map(numel, trainable))
         total = Fraction(2 * (n - 1) * 4 * psi, n)
-    elif stage in (1, 2):  # reduce-scatter + (lazy) all-gather of each trainable buffer, padded;
-        # the re-gather after the step is coalesced the same way (stage 2 reduces per unit)
+    elif stage in (1, 2):  # reduce-scatter of each trainable buffer + the forward's re-gather of
+        # every buffer (frozen ones too: the user may have written any shard since), padded and
+        # coalesced into one collective (stage 2 reduces per unit)
         psi = sum(padded(t, n) for t in trainable)
+        psi_all = sum(padded(t, n) for t in every)
         scatters = [psi] if stage == 1 and trainable else sorted(padded(t, n) for t in trainable)
-        expect = {"reduce_scatter": scatters, "all_gather": [psi] if trainable else []}
-        total = Fraction(2 * (n - 1) * 4 * psi, n)
+        expect = {"reduce_scatter": scatters, "all_gather": [psi_all] if every else []}
+        total = Fraction((n - 1) * 4 * (psi + psi_all), n)
     else:  # all-gather before forward and before backward (frozen buffers too: backward
         # through a frozen layer needs its weight), reduce-scatter of the trainable ones.
         # Every unit of these models has an output that requires grad, so every unit's buffers
@@ -392,15 +394,15 @@ def ledger_forwards(spec, stage, units, per_rank):
 @given(spec=specs(), stage=st.sampled_from(STAGES), world=st.sampled_from(WORLD_SIZES),
        units=st.sampled_from([None, "blocks", "nested"]))
 def test_ledger_of_forwards_after_a_step(pools, spec, stage, world, units):
-    """Stage 0: no collective in forward. Stages 1-2: the first forward after a step all-gathers
-    every trainable buffer once (the lazy gather, coalesced: these models are far below the
-    4 MiB bucket, so in ONE collective), the second one nothing. Stage 3: every forward
-    all-gathers every buffer (frozen ones too) once."""
+    """Stage 0: no collective in forward. Stages 1-2: every forward all-gathers every buffer
+    once, frozen ones too (between forwards the user may write any shard, however spelled),
+    coalesced: these models are far below the 4 MiB bucket, so in ONE collective. Stage 3:
+    every forward all-gathers every buffer once, unit by unit."""
     bufs = expected_buffers(spec, units)
-    psi = sum(padded(b, world) for _, rg, b in bufs if rg)
-    trainable = [("all_gather", psi)] if psi else []
+    psi_all = sum(padded(b, world) for _, _, b in bufs)
+    coalesced = [("all_gather", psi_all)] if psi_all else []
     every = sorted(("all_gather", padded(b, world)) for _, _, b in bufs)
-    expect = {0: [[], []], 1: [trainable, []], 2: [trainable, []], 3: [every, every]}[stage]
+    expect = {0: [[], []], 1: [coalesced] * 2, 2: [coalesced] * 2, 3: [every, every]}[stage]
     for rank, got in enumerate(pools(world).run(ledger_forwards, spec, stage, units, 2)):
         assert got == expect, (rank, got, expect)
 
