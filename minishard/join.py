@@ -295,12 +295,14 @@ def _refuse_uncovered(engine, optimizer) -> None:
 
 
 def _backward_zeros(out) -> None:
-    """Backward from an empty batch's outputs: their sum (zero), so every unit's gradient
-    hooks fire, as on the active ranks, with zero gradients."""
+    """Backward from an empty batch's outputs with a zero gradient for each, so every unit's
+    gradient hooks fire, as on the active ranks, and every gradient is zero: what DDP's joined
+    rank contributes. (Not from their sum: an output that does not depend on the batch, CLIP's
+    ``logit_scale.exp()``, would send its own gradient.)"""
     leaves = [t for t in tree_flatten(out)[0]
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if leaves:
-        torch.autograd.backward([t.sum() for t in leaves])
+        torch.autograd.backward(leaves, [torch.zeros_like(t) for t in leaves])
 
 
 # ------------------------------------------------------------- ShardedOptimizer beside DDP

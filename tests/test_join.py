@@ -249,6 +249,45 @@ def test_a_branch_only_the_joined_rank_takes_stays_unused(pools, stage):
                     {k: v for k, v in ddp.items() if k not in branch})
 
 
+# -------------------------------------------------------- an output the batch does not touch
+class Scaled(Net):
+    """CLIP's shape: the logits and ``logit_scale.exp()``, returned side by side. A joined rank
+    must send a zero gradient for the scale too, as DDP's joined rank does."""
+
+    def __init__(self):
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, x):
+        return super().forward(x), self.logit_scale.exp()
+
+
+def scaled_both(counts, stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = Scaled().double()
+    results = []
+    for model in (DDP(copy.deepcopy(base)), ZeRO(copy.deepcopy(base), stage=stage, units=Block)):
+        opt = OPTIMIZERS["sgd"](model.parameters())
+        with Join([model], **({} if isinstance(model, DDP) else dict(optimizer=opt))):
+            for x, y in batches(rank, counts[rank]):
+                out, scale = model(x)
+                ((out * scale - y) ** 2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        results.append(model.module.state_dict() if isinstance(model, DDP)
+                       else model.full_state_dict())
+    return results
+
+
+@pytest.mark.parametrize("world, stage", [(2, 0), (3, 1), (4, 2), (3, 3)])
+def test_an_output_the_batch_does_not_touch_gets_no_gradient_from_a_joined_rank(pools, world,
+                                                                               stage):
+    counts = [3, 0, 4, 1][:world]
+    for ddp, ours in pools(world).run(scaled_both, counts, stage):
+        assert_same(ours, ddp)
+
+
 # ------------------------------------------------------------------------- mixed precision
 def mixed(counts, join):
     """Stage 3 under bf16 compute, fp32 reduction: under Join, or without it with an empty
