@@ -32,7 +32,7 @@ from minishard.layout import rows_of
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
            "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
-           "dcp_data_files", "check_dcp_digests", "EXTRA", "check_loadable"]
+           "dcp_data_files", "check_dcp_digests", "dcp_extra_record", "EXTRA", "check_loadable"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
 DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; DCP ignores it
@@ -163,6 +163,9 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
         raise CheckpointError(f"no checkpoint at {path}: no such directory")
     if os.path.isfile(os.path.join(path, DCP_METADATA)):  # torch.distributed.checkpoint's
         metadata = check_dcp(path)
+        extra = dcp_extra_record(path)
+        if extra is not None:
+            _check_file(path, extra, checksums, DCP_DIGESTS)
         return {"format": "dcp", "sha256": checksums and check_dcp_digests(path, metadata)}
     meta_file = os.path.join(path, META)
     if not os.path.exists(meta_file):
@@ -194,18 +197,22 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
                 f"parameter {param['name']!r} was cut into the rows {rows}. Load an earlier "
                 "checkpoint.")
     for info in meta["files"] + [e for e in [meta.get("extra_file")] if e]:
-        file = os.path.join(path, info["name"])
-        if not os.path.exists(file):
-            raise CheckpointError(f"checkpoint at {path} is incomplete: {info['name']} is missing. "
-                                  "Load the previous one (latest_checkpoint(root)).")
-        if os.path.getsize(file) != info["bytes"]:
-            raise CheckpointError(_size_problem(file, os.path.getsize(file), info["bytes"]))
-        if checksums:
-            with open(file, "rb") as fh:
-                if hashlib.sha256(fh.read()).hexdigest() != info["sha256"]:
-                    raise CheckpointError(f"{file} does not match the sha256 recorded in {META}: "
-                                          "it was corrupted after saving. Load an earlier one.")
+        _check_file(path, info, checksums, META)
     return meta
+
+
+def _check_file(path: str, info: dict, checksums: bool, where: str) -> None:
+    """The file ``info`` records ({"name", "bytes", "sha256"}) is there with its size (and its
+    sha256, with ``checksums``), or a CheckpointError says what is wrong."""
+    file = os.path.join(path, info["name"])
+    if not os.path.exists(file):
+        raise CheckpointError(f"checkpoint at {path} is incomplete: {info['name']} is missing. "
+                              "Load the previous one (latest_checkpoint(root)).")
+    if os.path.getsize(file) != info["bytes"]:
+        raise CheckpointError(_size_problem(file, os.path.getsize(file), info["bytes"]))
+    if checksums and file_sha256(file) != info["sha256"]:
+        raise CheckpointError(f"{file} does not match the sha256 recorded in {where}: "
+                              "it was corrupted after saving. Load an earlier one.")
 
 
 def _natural_key(name: str) -> list:
@@ -279,7 +286,7 @@ def check_dcp_digests(path: str, metadata, share: tuple[int, int] = (0, 1)) -> b
     file = os.path.join(path, DCP_DIGESTS)
     if not os.path.exists(file):
         return False
-    digests = read_checked(file)
+    digests = {k: v for k, v in read_checked(file).items() if k != EXTRA}  # dcp_extra_record
     if sorted(digests) != dcp_data_files(metadata):
         raise CheckpointError(f"DCP checkpoint at {path}: {DCP_DIGESTS} lists other files than "
                               f"its {DCP_METADATA}: the two come from different saves. Load an "
@@ -291,6 +298,13 @@ def check_dcp_digests(path: str, metadata, share: tuple[int, int] = (0, 1)) -> b
                                   f"the sha256 recorded in {DCP_DIGESTS} (corrupted or replaced "
                                   "after saving). Load an earlier checkpoint.")
     return True
+
+
+def dcp_extra_record(path: str) -> dict | None:
+    """extra.pt's record ({"name", "bytes", "sha256"}, as meta.pt keeps it) in the digests
+    minishard writes beside a DCP checkpoint; None without digests or without extra.pt."""
+    file = os.path.join(path, DCP_DIGESTS)
+    return read_checked(file).get(EXTRA) if os.path.exists(file) else None
 
 
 _ALLOWED = {

@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor, Shard
 from minishard import comm
 from minishard.checkpoint_files import DCP_METADATA as METADATA
 from minishard.checkpoint_files import (DCP_DIGESTS, CheckpointError, SafeDCPReader,
-                                        atomic_save, check_dcp, check_dcp_digests,
+                                        EXTRA, atomic_save, check_dcp, check_dcp_digests,
                                         dcp_data_files, file_sha256, saved_piece)
 from minishard.full_state import (buffer_state, group_param_names, hyperparameters, named_params,
                                   split_state, torch_optimizer_state)
@@ -131,8 +131,9 @@ def _held(param, loaded) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------- save
-def save_dcp(path: str, model, optimizer) -> None:
-    """save_checkpoint(format="dcp") on the ranks of ONE shard group (state.py has made room)."""
+def save_dcp(path: str, model, optimizer, extra_file: dict | None = None) -> None:
+    """save_checkpoint(format="dcp") on the ranks of ONE shard group (state.py has made room);
+    ``extra_file``: extra.pt's record (rank 0), kept with the digests."""
     mesh, group = _mesh(model), model.group
     world, rank = comm.group_size(group), comm.group_rank(group)
     values, states = {}, {}
@@ -155,17 +156,19 @@ def save_dcp(path: str, model, optimizer) -> None:
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         raise CheckpointError(f"could not save the DCP checkpoint {path}; it has no {METADATA}, "
                               f"so it stays incomplete: {exc}") from exc
-    _save_digests(path, group, world, rank)
+    _save_digests(path, group, world, rank, extra_file)
 
 
-def _save_digests(path: str, group, world: int, rank: int) -> None:
+def _save_digests(path: str, group, world: int, rank: int, extra_file: dict | None) -> None:
     """DCP records no checksums: each rank hashes its share of the data files, rank 0 writes
-    them all beside the checkpoint (DCP_DIGESTS, which torch's readers ignore); every rank
-    returns once it is written, or raises with rank 0."""
+    them all beside the checkpoint (DCP_DIGESTS, which torch's readers ignore), with extra.pt's
+    record if any; every rank returns once it is written, or raises with rank 0."""
     files = dcp_data_files(check_dcp(path))
     mine = {name: file_sha256(os.path.join(path, name)) for name in files[rank::world]}
     digests = {k: v for part in comm.all_gather_object(mine, group, tag="dcp: sha256")
                for k, v in part.items()}
+    if extra_file is not None:
+        digests[EXTRA] = extra_file
     error = None
     if rank == 0:
         try:

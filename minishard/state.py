@@ -106,7 +106,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
         _make_room(path, model.group, overwrite)
         record = _write_extras(path, extras, model.group)  # before the marker: see there
         if format == "dcp":
-            save_dcp(path, model, optimizer)
+            save_dcp(path, model, optimizer, record)
         else:
             _save_shards(path, model, optimizer, record)
 
@@ -343,7 +343,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     path, group = os.fspath(path), model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
-        extras = _read_extras(path, None, model.every_group, together=True)
+        extras = _read_extras(path, checkpoint_files.dcp_extra_record(path), model.every_group,
+                              together=True)
         _apply(model, optimizer, masters, buffers, optim_sd)
         return {"format": "dcp", "param_groups": saved_groups, **extras}
     error = extras = None

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import example, given, settings, strategies as st
 
+from minishard.checkpoint_files import check_checkpoint, latest_checkpoint
 from minishard.state import CheckpointError, load_checkpoint, save_checkpoint
 from minishard.testing import RankError
 from test_hybrid import mesh_of
@@ -138,11 +139,45 @@ def test_an_extra_that_cannot_be_read_back_is_refused_on_every_rank(pools, tmp_p
     assert not os.path.exists(ckpt) or os.listdir(ckpt) == []  # nothing written
 
 
-def test_a_damaged_extra_file_is_refused(pools, tmp_path):
+def damage(file: str, how: str) -> None:
+    """One flipped byte in the middle (same size: only a checksum sees it), the end cut off, or
+    the file gone."""
+    if how == "delete":
+        os.remove(file)
+        return
+    with open(file, "r+b") as fh:
+        if how == "truncate":
+            fh.truncate(os.path.getsize(file) - 3)
+            return
+        fh.seek(os.path.getsize(file) // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("format", ["minishard", "dcp"])
+def test_a_damaged_extra_file_is_refused(pools, tmp_path, format):
+    """A flipped byte in extra.pt: load_checkpoint and check_checkpoint refuse it, in both formats
+    (DCP's own metadata records no checksum; minishard's digests beside it cover extra.pt)."""
     ckpt = fresh(tmp_path)
-    pools(2).run(save_with_extra, ckpt, 2, "minishard")
-    with open(os.path.join(ckpt, "extra.pt"), "r+b") as fh:
-        fh.seek(-3, os.SEEK_END)
-        fh.write(b"xyz")
+    pools(2).run(save_with_extra, ckpt, 2, format)
+    damage(os.path.join(ckpt, "extra.pt"), "flip")
     with pytest.raises(RankError, match="sha256"):
         pools(2).run(load_extra, ckpt, 2)
+    with pytest.raises(CheckpointError, match="extra.pt"):
+        check_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("format", ["minishard", "dcp"])
+@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
+def test_a_resume_loop_falls_back_past_a_damaged_extra_file(pools, tmp_path, format, how):
+    """latest_checkpoint skips the newest checkpoint when its extra.pt is damaged (sizes are
+    checked always, sha256 with checksums=True), so a resume loop picks the one before."""
+    root = tmp_path / uuid.uuid4().hex[:8]
+    for step in (1, 2):
+        pools(2).run(save_with_extra, str(root / f"step-{step}"), 2, format)
+    assert latest_checkpoint(root, checksums=True) == str(root / "step-2")
+    damage(str(root / "step-2" / "extra.pt"), how)
+    assert latest_checkpoint(root, checksums=how == "flip") == str(root / "step-1")
+    with pytest.raises(CheckpointError, match="extra.pt"):
+        check_checkpoint(root / "step-2", checksums=how == "flip")
