@@ -229,6 +229,52 @@ MUTANTS = {
         [("minishard/join.py", "        group.update(theirs)", "        pass")],
         ["tests/test_join.py::test_join_equals_ddp_under_join",
          "tests/test_join.py::test_sharded_optimizer_under_join_equals_ddp_with_a_plain_optimizer"]),
+    "full_kept_current_between_steps": (
+        "stages 1-2 keep the full parameters marked current when the shards go back to the "
+        "user: a foreach step or an edit through .data is never gathered",
+        [("minishard/unit.py", "            if not keep_current:\n                flat.mark_stale()",
+          "            pass")],
+        ["tests/test_writes.py::test_foreach_and_fused_optimizers_train_as_one_process"]),
+    "joined_rank_backward_from_the_sum": (
+        "under Join a joined rank backpropagates the sum of its outputs: an output that does "
+        "not depend on the batch (CLIP's logit scale) sends its own gradient",
+        [("minishard/join.py", "torch.autograd.backward(leaves, [torch.zeros_like(t) for t in "
+          "leaves])", "torch.autograd.backward([t.sum() for t in leaves])")],
+        ["tests/test_join.py::"
+         "test_an_output_the_batch_does_not_touch_gets_no_gradient_from_a_joined_rank"]),
+    "dcp_extra_not_digested": (
+        "a DCP checkpoint's extra.pt has no checksum: a flipped byte loads silently",
+        [("minishard/dcp_checkpoint.py", "        digests[EXTRA] = extra_file", "        pass")],
+        ["tests/test_extra_state.py::test_a_damaged_extra_file_is_refused"]),
+    "check_checkpoint_skips_extra": (
+        "check_checkpoint (and so latest_checkpoint) does not look at extra.pt: a resume loop "
+        "picks a checkpoint whose extra.pt is damaged",
+        [("minishard/checkpoint_files.py", 'for info in meta["files"] + [e for e in '
+          '[meta.get("extra_file")] if e]:', 'for info in meta["files"]:')],
+        ["tests/test_extra_state.py::test_a_resume_loop_falls_back_past_a_damaged_extra_file"]),
+    "full_tensor_ledgered_as_one_chunk": (
+        "the ledger records a user's full_tensor() at one rank's chunk (1/N of its bytes)",
+        [("minishard/dtensors.py", "tensor.numel() * (n if gathered else 1)", "tensor.numel()")],
+        ["tests/test_torch_tools.py::test_a_full_tensor_is_in_the_ledger_at_its_full_size"]),
+    "persist_below_inclusive": (
+        "persist_below=n keeps a parameter of exactly n elements whole",
+        [("minishard/build.py", "if p.numel() < persist_below:", "if p.numel() <= persist_below:")],
+        ["tests/test_replicated.py::"
+         "test_persist_below_n_keeps_exactly_the_parameters_of_fewer_than_n_elements"]),
+    "step_formula_keeps_every_full_gradient": (
+        "the step formula counts every full gradient at stages 2-3 (an overstatement the "
+        "measured bound cannot see)",
+        [("minishard/meters.py", "keeps_full_grads = not policy.free_grads_early or "
+          "model.find_unused", "keeps_full_grads = True")],
+        ["tests/test_memory_wall.py::"
+         "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
+    "step_formula_forgets_find_unused": (
+        "the step formula forgets that find_unused_parameters keeps every full gradient at "
+        "stage 2 until the end of backward",
+        [("minishard/meters.py", "keeps_full_grads = not policy.free_grads_early or "
+          "model.find_unused", "keeps_full_grads = not policy.free_grads_early")],
+        ["tests/test_memory_wall.py::"
+         "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
 }
 
 

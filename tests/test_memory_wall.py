@@ -97,7 +97,7 @@ def _mp(name):
 
 
 # ------------------------------------------------------------------------- a training step
-def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0):
+def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0, find_unused=False):
     rank = dist.get_rank()
     torch.manual_seed(0)
     plain = Net(width, depth)
@@ -105,7 +105,8 @@ def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0):
     with Allocations() as activations:  # the module's own, in plain torch (fp32: no smaller)
         plain(x).sum()
     model = ZeRO(Net(width, depth), stage=stage, units={Block}, prefetch=prefetch,
-                 bucket_bytes=bucket, mixed_precision=_mp(mp), persist_below=persist)
+                 bucket_bytes=bucket, mixed_precision=_mp(mp), persist_below=persist,
+                 find_unused_parameters=find_unused)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     peaks = []
     for _ in range(3):
@@ -124,14 +125,18 @@ def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0):
        stage=st.sampled_from([0, 1, 2, 3]), prefetch=st.booleans(),
        bucket=st.sampled_from([0, 20_000]), mp=st.sampled_from(["none", "bf16",
                                                                "bf16+fp32 reduce"]),
-       persist=st.sampled_from([0, 64]))  # 64: the biases (width <= 40) replicated
+       persist=st.sampled_from([0, 64]),  # 64: the biases (width <= 40) replicated
+       find_unused=st.booleans())
 def test_a_training_step_allocates_no_more_than_the_formula(pools, ws, width, depth, data,
-                                                            stage, prefetch, bucket, mp, persist):
+                                                            stage, prefetch, bucket, mp, persist,
+                                                            find_unused):
     rows = data.draw(st.lists(st.integers(0, 3), min_size=ws, max_size=ws))
     if sum(rows) == 0:
         rows[0] = 1
+    find_unused = find_unused and stage < 3  # (refused at stage 3)
     for rank, (peak, formula, activations, report, where) in enumerate(
-            pools(ws).run(_step_peak, width, depth, rows, stage, prefetch, bucket, mp, persist)):
+            pools(ws).run(_step_peak, width, depth, rows, stage, prefetch, bucket, mp, persist,
+                          find_unused)):
         assert peak <= formula + activations, (
             f"rank {rank}: a step allocated {peak} B, the formula says {formula} B "
             f"({report['transients']}) + activations {activations} B\n{where}")
@@ -139,6 +144,28 @@ def test_a_training_step_allocates_no_more_than_the_formula(pools, ws, width, de
 
 def _formulas():
     return [ZeRO(Net(16, 2), stage=s, units={Block}).step_transients() for s in range(4)]
+
+
+def _full_gradient_terms(find_unused):
+    models = [ZeRO(Net(16, 2), stage=s, units={Block}, bucket_bytes=bucket,
+                   find_unused_parameters=find_unused and s < 3)
+              for s in range(4) for bucket in (0, 4096)]
+    return [m.step_transients().get("full gradients", 0) for m in models]
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_the_step_formula_counts_the_full_gradients_each_stage_keeps(pools, find_unused):
+    """The formula's "full gradients" term, from the other side than the measurement (which
+    only bounds it from above): every full gradient (Ψ, padded at stages 1-3) at stages 0-1
+    and under find_unused_parameters at stage 2, which waits for the end of backward; at
+    stages 2-3 otherwise only what a bucket gathers before it is reduced."""
+    net, world = Net(16, 2), 2
+    units = [[net, net.inp]] + [list(b.modules()) for b in net.blocks]
+    psi = {0: sum(unit_bytes(u, None) for u in units), 1: sum(unit_bytes(u, world) for u in units)}
+    expected = [psi[min(stage, 1)] if stage < 2 or (find_unused and stage == 2) else bucket
+                for stage in range(4) for bucket in (0, 4096)]
+    for got in pools(world).run(_full_gradient_terms, find_unused):
+        assert got == expected, (got, expected)
 
 
 def test_the_step_formula_names_its_buffers(pools):

@@ -190,6 +190,22 @@ def _tied_refusal():
     return "not refused"
 
 
+def placements_at_the_threshold(n):
+    """A model whose parameters have n-1, n and n+1 elements, wrapped with persist_below=n."""
+    net = nn.Sequential(nn.Linear(1, n - 1, bias=False), nn.Linear(1, n, bias=False),
+                        nn.Linear(1, n + 1, bias=False))
+    model = ZeRO(net, stage=3, persist_below=n)
+    return [(p.numel(), type(p.placements[-1]).__name__) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [4, 9])
+def test_persist_below_n_keeps_exactly_the_parameters_of_fewer_than_n_elements(pools, n):
+    """"Below n" is strict, as DeepSpeed's persistence threshold: a parameter of exactly n
+    elements is sharded."""
+    for got in pools(2).run(placements_at_the_threshold, n):
+        assert got == [(n - 1, "Replicate"), (n, "Shard"), (n + 1, "Shard")]
+
+
 def clip_norm(keep, stage, norm_type):
     """The norm clip_grad_norm_ returns after one backward on the global batch (this rank's
     slice): model.clip_grad_norm_ when wrapped (``keep``), torch's on the plain model (None)."""

@@ -14,6 +14,7 @@ The oracles, unmodified:
 """
 import contextlib
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -199,6 +200,34 @@ def test_parameters_keep_global_shapes_and_dims(pools, stage):
         assert [s for _, _, s, _ in described] == shapes
         assert all(d == len(s) for _, _, s, d in described)  # a 0-dim parameter stays 0-dim
         assert {t for _, t, _, _ in described} == ({"Parameter"} if stage == 0 else {"DTensor"})
+
+
+def full_tensors_in_the_ledger(stage):
+    """Each parameter's ``p.full_tensor()`` alone in a ledger: what the ledger recorded."""
+    model = ZeRO(Scaled().double(), stage=stage, units=(Block, Gate))
+    out = []
+    for name, p in model.module.named_parameters():
+        with comm.ledger() as led:
+            p.full_tensor()
+        out.append((tuple(p.shape), [(e.op, e.numel, e.bytes_sent) for e in led.entries
+                                     if e.tag.startswith("torch ")]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_full_tensor_is_in_the_ledger_at_its_full_size(pools, world):
+    """A user's ``full_tensor()`` all-gathers every rank's rows, padded as DTensor pads them
+    (each rank's chunk is ceil(R/N) rows): the ledger records N such chunks, and sends
+    (N-1)/N of their bytes (float64 here) in the ring model. A 0-dim parameter is replicated:
+    no collective."""
+    for rank, rows in enumerate(pools(world).run(full_tensors_in_the_ledger, 2)):
+        for shape, entries in rows:
+            if not shape:
+                assert entries == [], (rank, shape, entries)
+                continue
+            numel = world * -(-shape[0] // world) * math.prod(shape[1:])
+            assert entries == [("all_gather", numel, Fraction((world - 1) * 8 * numel, world))], \
+                (rank, shape, entries)
 
 
 # ------------------------------------------------------------ torch's state-dict API and DCP
