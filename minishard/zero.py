@@ -191,6 +191,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                 find_unused=find_unused_parameters, every_group=groups.every,
                                 log=self._meters.log)
         self._pass = Pass.FORWARD  # see _start_backward
+        self._forward_open = False  # a forward ran whose parameters are not handed back yet
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         self._join_state = JoinState()
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
@@ -205,6 +206,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         if is_root and not in_backward:
             if self._join_config.enable and not self._reducer.shadowing:
                 announce(self, args, kwargs)  # Join: this rank has not joined; the plan
+            self._end_open_forward()
             self._meters.start_forward()
             self._sync_requires_grad()
             if not self.policy.free_after_forward:
@@ -229,6 +231,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
 
     def _post_forward(self, i: int, module, args, output):
         unit = self.units[i]
+        self._forward_open = True
         if unit.module is self.module:
             self._gathers.order_recorded = True
             if not torch.is_grad_enabled() and not self.policy.free_after_forward:
@@ -286,6 +289,14 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     def _to_sharded(self, keep_current: bool = False) -> None:
         for unit in self.units:
             unit.to_sharded(keep_current)
+        self._forward_open = False
+
+    def _end_open_forward(self) -> None:
+        """A forward whose backward never ran (an evaluation left with grad enabled, a unit
+        called on its own) is over when the engine is used next: its parameters go back to the
+        user, who may have written the shards since."""
+        if self._forward_open:
+            self._to_sharded()
 
     def _sync_requires_grad(self) -> None:
         """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
@@ -340,6 +351,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         with ``writeback``; without it stage 3 drops them, stages 0-2 keep them anyway (full and
         shards share storage there). Under mixed precision the block shows the fp32 masters
         gathered from the shards and writes back only an edited shard: never a rounded one."""
+        self._end_open_forward()
         with full_state.gathered(self.units, writeback, self._meters.on_gather, self._reshard):
             yield self.module
 

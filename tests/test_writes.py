@@ -107,6 +107,52 @@ def test_edits_after_an_evaluation_forward_are_seen(pools, spelling):
         assert results == [[]] * 3, (stage, results)
 
 
+def step_after_an_open_forward(stage, opt_name, how):
+    """Between the backward and the step, a forward whose parameters the engine never hands back
+    itself: a validation forward left with grad enabled (no torch.no_grad(), no backward), or
+    one unit called on its own, with or without grad. The step then writes the shards after the
+    engine gathered them; the next forward and ``gathered()`` must see the step."""
+    n = dist.get_world_size()
+    spec = dict(kind="mlp", widths=[4, 6, 5], bias=True, seed=5, in_dim=4, out=3, vocab=3,
+                channels=1, size=3, tie=None, frozen=None, reuse=None)
+    model = ZeRO(build(spec), stage=stage, units=unit_arg("blocks"))
+    ref = build(spec)
+    opt, ref_opt = OPTIMIZERS[opt_name](model.parameters()), OPTIMIZERS[opt_name](ref.parameters())
+    bad = []
+    for step in range(3):
+        xg, yg = batch(spec, step, 2 * n)
+        x, y = rows_of(xg, 2), rows_of(yg, 2)
+        loss_fn(model(x), y).backward()
+        loss_fn(ref(xg), yg).backward()
+        with torch.set_grad_enabled(how != "unit alone, no grad"):
+            if how == "root, grad enabled":
+                model(x)
+            else:
+                model.module.blocks[0](torch.randn(2, 4))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            got, want = model(x), rows_of(ref(xg), 2)
+        if not torch.allclose(got, want, atol=ATOL, rtol=RTOL):
+            bad.append(f"rank {dist.get_rank()} step {step}: the next forward is off by "
+                       f"{(got - want).abs().max().item():.3g}")
+    model.module.blocks[0](torch.randn(2, 4))  # once more, then read through gathered()
+    with model.gathered():
+        bad += mismatches({k: v.clone() for k, v in model.module.state_dict().items()},
+                          ref.state_dict(), "gathered()")
+    return bad
+
+
+@pytest.mark.parametrize("how", ["root, grad enabled", "unit alone, grad enabled",
+                                 "unit alone, no grad"])
+def test_a_forward_never_backpropagated_leaves_no_stale_parameters(pools, how):
+    for stage in (0, 1, 2, 3):
+        for opt_name in ("sgd", "adamw_foreach"):
+            results = pools(3).run(step_after_an_open_forward, stage, opt_name, how)
+            assert results == [[]] * 3, (stage, opt_name, results)
+
+
 @settings(max_examples=max(2, round(settings().max_examples / 2)))  # ci 12, thorough 100
 @given(spec=specs(), stage=st.sampled_from([0, 1, 2, 3]), world=st.sampled_from([1, 2, 3, 4]),
        units=st.sampled_from([None, "blocks", "nested"]),
