@@ -211,7 +211,9 @@ MUTANTS = {
         "gradient and statistics count again",
         [("minishard/join.py", "    return t.new_empty((0, *t.shape[1:])) if isinstance(t, "
           "torch.Tensor) and t.dim() else t", "    return t")],
-        ["tests/test_join.py::test_join_equals_ddp_under_join"]),
+        # its backward sends zeros either way: the batch counts again in SyncBatchNorm's statistics
+        ["tests/test_join.py::test_syncbatchnorm_under_join_equals_one_process",
+         "tests/test_join.py::test_join_equals_ddp_under_join"]),
     "joined_rank_reports_usage": (
         "find_unused_parameters under Join: a joined rank's empty batch marks what it ran as "
         "used, so a branch no active rank took gets zero gradients and Adam moves it",
@@ -275,6 +277,19 @@ MUTANTS = {
           "model.find_unused", "keeps_full_grads = not policy.free_grads_early")],
         ["tests/test_memory_wall.py::"
          "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
+    "open_forward_never_ended": (
+        "a forward whose backward never ran (grad enabled, or one unit called alone) keeps its "
+        "gathered parameters marked current: the step after it is never gathered",
+        [("minishard/zero.py", "        if self._forward_open:\n            self._to_sharded()",
+          "        pass")],
+        ["tests/test_writes.py::test_a_forward_never_backpropagated_leaves_no_stale_parameters"]),
+    "joined_rank_keeps_its_no_sync_gradient": (
+        "a rank that joins after an unpaired no_sync micro-batch sends that gradient with the "
+        "next reduction instead of zeros",
+        [("minishard/join.py", "                flat.full.grad = None  # what no_sync",
+          "                pass  # what no_sync")],
+        ["tests/test_join.py::"
+         "test_a_rank_joining_mid_accumulation_contributes_zeros_as_under_ddp"]),
 }
 
 

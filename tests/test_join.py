@@ -249,6 +249,42 @@ def test_a_branch_only_the_joined_rank_takes_stays_unused(pools, stage):
                     {k: v for k, v in ddp.items() if k not in branch})
 
 
+# ---------------------------------------------------- a rank that joins mid-accumulation
+def accumulate_in_pairs(model, opt, data, join_kw):
+    """Two micro-batches a step, the first without gradient sync (DDP's flag, nanoGPT's
+    spelling); a rank with an odd count leaves its loop after an unpaired micro-batch."""
+    with Join([model], **join_kw):
+        for i, (x, y) in enumerate(data):
+            last = i % 2 == 1
+            model.require_backward_grad_sync = last
+            (((model(x) - y) ** 2).mean() / 2).backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
+    model.require_backward_grad_sync = True
+
+
+def joined_mid_accumulation(counts, stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = Net().double()
+    ddp = DDP(copy.deepcopy(base))
+    accumulate_in_pairs(ddp, OPTIMIZERS["sgd"](ddp.parameters()), batches(rank, counts[rank]), {})
+    model = ZeRO(copy.deepcopy(base), stage=stage, units=Block)
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    accumulate_in_pairs(model, opt, batches(rank, counts[rank]), dict(optimizer=opt))
+    return model.full_state_dict(), ddp.module.state_dict()
+
+
+@pytest.mark.parametrize("world, stage", [(3, 0), (3, 1), (2, 2), (3, 3)])
+def test_a_rank_joining_mid_accumulation_contributes_zeros_as_under_ddp(pools, world, stage):
+    """Its unpaired micro-batch's gradient, accumulated under no_sync, is dropped: DDP's joined
+    rank sends zeros for the step it never finished."""
+    counts = [4, 3, 6][:world] if world == 3 else [3, 6]
+    for ours, ddp in pools(world).run(joined_mid_accumulation, counts, stage):
+        assert_same(ours, ddp)
+
+
 # -------------------------------------------------------- an output the batch does not touch
 class Scaled(Net):
     """CLIP's shape: the logits and ``logit_scale.exp()``, returned side by side. A joined rank
