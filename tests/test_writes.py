@@ -11,7 +11,8 @@ batch with the same optimizer, given the same edits on its full parameters. Afte
 each edit, the next forward's output (on this rank's rows) and, after the last step, every
 parameter must equal the oracle's; at stages 0-3, 1-4 ranks (3 pads), for-loop, foreach and
 fused optimizers, an edit right after the step and one after an evaluation forward that
-followed the step (the engine had already re-gathered by then).
+followed the step (the engine had already re-gathered by then), and a step after a forward that
+was never backpropagated (grad left enabled, or one unit called on its own).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ OPTIMIZERS = {
 }
 
 
-def _edit(params, spelling: str, sharded: bool) -> None:
+def _edit(params, spelling: str) -> None:
     """Halve every parameter (the lerp pulls toward zero by a half), spelled one way."""
     params = list(params)
     with torch.no_grad():
@@ -49,7 +50,7 @@ def _edit(params, spelling: str, sharded: bool) -> None:
                 p.data.mul_(0.5)
         elif spelling == "to_local":  # this rank's rows (the whole tensor when not a DTensor)
             for p in params:
-                (p.to_local() if sharded and isinstance(p, DTensor) else p).mul_(0.5)
+                (p.to_local() if isinstance(p, DTensor) else p).mul_(0.5)
 
 
 def writes_vs_oracle(spec, stage, units, opt_name, spelling, after_eval, steps=2, per_rank=2):
@@ -79,8 +80,8 @@ def writes_vs_oracle(spec, stage, units, opt_name, spelling, after_eval, steps=2
         if spelling is not None:
             if after_eval:  # the engine has just gathered: the edit lands after it
                 compare_forward(f"step {step} eval", x, xg)
-            _edit(model.parameters(), spelling, sharded=stage > 0)
-            _edit(ref.parameters(), spelling, sharded=False)
+            _edit(model.parameters(), spelling)
+            _edit(ref.parameters(), spelling)
             compare_forward(f"step {step} after {spelling}", x, xg)
     return bad + mismatches(model.full_state_dict(), ref.state_dict(), "end")
 
