@@ -2,7 +2,8 @@
 
 Budgets, measured with ``ast`` (lines from a definition's first line to its last, docstrings and
 comments included): no file in minishard/ over 500 lines, no class over 300, no function over
-60, zero.py (the first file a learner opens) at most 400. Arrows: no import cycle between
+60, zero.py (the first file a learner opens) at most 400, no module docstring over 30 lines
+(those longer today may only shrink). Arrows: no import cycle between
 minishard's modules, and comm.py imports none of them but costs.py (which imports none).
 """
 import ast
@@ -36,6 +37,28 @@ def over_budget(path: Path) -> list[str]:
 @pytest.mark.parametrize("path", files(), ids=lambda p: p.name)
 def test_file_within_budget(path):
     assert over_budget(path) == []
+
+
+# A module docstring explains in at most 30 lines (derivations live in the lessons, measured
+# numbers in bench/RESULTS.md). These are longer today; each may only shrink, to 30.
+DOCSTRING_LINES = 30
+LONGER_TODAY = {"syncbn.py": 124, "flat.py": 64, "plan.py": 61, "zero.py": 60, "join.py": 60,
+                "config.py": 54, "deferred_init.py": 50, "sharded_optimizer.py": 49,
+                "state.py": 45, "dcp_checkpoint.py": 43, "costs.py": 42, "meters.py": 37,
+                "trace.py": 32, "launch.py": 32, "exercise.py": 32, "__init__.py": 31}
+
+
+def docstring_lines(path: Path) -> int:
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return doc.count("\n") + 1
+
+
+@pytest.mark.parametrize("path", files(), ids=lambda p: p.name)
+def test_module_docstring_within_budget(path):
+    lines = docstring_lines(path)
+    assert lines <= LONGER_TODAY.get(path.name, DOCSTRING_LINES), lines
+    if path.name in LONGER_TODAY:  # shrunk to the budget: drop it from the list
+        assert lines > DOCSTRING_LINES, f"{path.name} is within budget: remove it from LONGER_TODAY"
 
 
 def test_the_budget_check_can_fail(tmp_path):
