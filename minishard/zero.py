@@ -192,6 +192,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                 log=self._meters.log)
         self._pass = Pass.FORWARD  # see _start_backward
         self._forward_open = False  # a forward ran whose parameters are not handed back yet
+        self._accumulating = False  # the last backward was under no_sync: the step is not over
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         self._join_state = JoinState()
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
@@ -283,12 +284,15 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)
-        self._to_sharded(keep_current=not self.require_backward_grad_sync)
+        self._accumulating = not self.require_backward_grad_sync
+        self._to_sharded()
         self._pass = Pass.FORWARD
 
-    def _to_sharded(self, keep_current: bool = False) -> None:
+    def _to_sharded(self) -> None:
+        """The user parameters again. Between the micro-batches of one step (after a no_sync
+        backward) the gathered parameters stay current on every rank alike, whatever ran."""
         for unit in self.units:
-            unit.to_sharded(keep_current)
+            unit.to_sharded(keep_current=self._accumulating)
         self._forward_open = False
 
     def _end_open_forward(self) -> None:

@@ -154,6 +154,42 @@ def test_a_forward_never_backpropagated_leaves_no_stale_parameters(pools, how):
             assert results == [[]] * 3, (stage, opt_name, results)
 
 
+def rank0_forward_between_micro_batches(stage, what):
+    """Two micro-batches a step, the first under no_sync; between them rank 0 alone runs a
+    forward (logging an activation, a quick evaluation). Inside one step the gathered
+    parameters stay current on every rank alike, so nothing is gathered on rank 0 alone."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    spec = dict(kind="mlp", widths=[4, 6, 5], bias=True, seed=6, in_dim=4, out=3, vocab=3,
+                channels=1, size=3, tie=None, frozen=None, reuse=None)
+    model = ZeRO(build(spec), stage=stage, units=unit_arg("blocks"))
+    ref = build(spec)
+    opt, ref_opt = OPTIMIZERS["sgd"](model.parameters()), OPTIMIZERS["sgd"](ref.parameters())
+    for step in range(2):
+        xg, yg = batch(spec, step, 4 * n)
+        x, y = rows_of(xg, 4), rows_of(yg, 4)
+        with model.no_sync():
+            (loss_fn(model(x[:2]), y[:2]) / 2).backward()
+        if rank == 0:
+            with torch.set_grad_enabled(what != "unit, no grad"):
+                model(x) if what == "root, no grad" else model.module.blocks[0](torch.randn(2, 4))
+        (loss_fn(model(x[2:]), y[2:]) / 2).backward()
+        for i in range(n):  # the oracle: each rank's two halves, averaged over the ranks
+            rows = slice(4 * i, 4 * i + 4)
+            ((loss_fn(ref(xg[rows][:2]), yg[rows][:2]) + loss_fn(ref(xg[rows][2:]), yg[rows][2:]))
+             / (2 * n)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return mismatches(model.full_state_dict(), ref.state_dict(), what)
+
+
+@pytest.mark.parametrize("what", ["root, no grad", "unit, grad enabled", "unit, no grad"])
+def test_a_forward_on_rank_0_between_micro_batches_neither_waits_nor_regathers(pools, what):
+    for stage in (0, 1, 2):
+        results = pools(2).run(rank0_forward_between_micro_batches, stage, what, timeout=60)
+        assert results == [[]] * 2, (stage, results)
+
+
 @settings(max_examples=max(2, round(settings().max_examples / 2)))  # ci 12, thorough 100
 @given(spec=specs(), stage=st.sampled_from([0, 1, 2, 3]), world=st.sampled_from([1, 2, 3, 4]),
        units=st.sampled_from([None, "blocks", "nested"]),
