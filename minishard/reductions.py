@@ -58,8 +58,12 @@ class Reducer:
         self._reduce(unit, unit.flats[j])
 
     def _reduce(self, unit, flat: FlatBuffer) -> None:
-        """Start ``flat``'s reduction (with find_unused_parameters: mark it, [Note: find_unused])."""
-        if id(flat) in self._reduced:
+        """Start ``flat``'s reduction (with find_unused_parameters: mark it, [Note: find_unused]).
+        A second part of its gradient in the same backward (reentrant activation checkpointing
+        backpropagates each checkpointed call in a backward of its own) is reduced too, as the
+        reductions add up, unless the first still waits in a bucket and will take it along."""
+        if id(flat) in self._reduced and (self.find_unused or flat.full.grad is None or any(
+                f is flat for bucket in self._buckets.values() for f in bucket)):
             return
         self._reduced.add(id(flat))
         self.log("reduce", unit)

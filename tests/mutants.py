@@ -290,6 +290,12 @@ MUTANTS = {
           "                pass  # what no_sync")],
         ["tests/test_join.py::"
          "test_a_rank_joining_mid_accumulation_contributes_zeros_as_under_ddp"]),
+    "second_gradient_part_dropped": (
+        "a buffer's gradient arriving in two parts in one backward (reentrant checkpointing) "
+        "keeps only the first part",
+        [("minishard/reductions.py", "if id(flat) in self._reduced and (",
+          "if id(flat) in self._reduced or 0 and (")],
+        ["tests/test_training.py::test_a_gradient_arriving_in_two_parts_is_reduced_whole"]),
 }
 
 

@@ -888,3 +888,45 @@ def test_activation_checkpointing_inside_units_matches_oracle(
                frozen=frozen, ckpt=ckpt, early_stop=early_stop, seed=seed)
     event(f"world size {ws}")
     pools(ws).run(checkpointing_matches_oracle, cfg, stage, prefetch)
+
+
+# ------------------------------------------- reentrant checkpointing: a gradient in two parts
+class ReentrantBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.sub = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width))
+
+    def forward(self, x):
+        return torch.tanh(checkpoint(self.sub, x, use_reentrant=True))
+
+
+def two_forwards_one_backward(stage: int, steps: int = 3) -> list[str]:
+    """A siamese loss (two forwards, one backward) through units checkpointed the reentrant
+    way: each forward's checkpointed part is backpropagated in a backward of its own, so a
+    unit's gradient arrives in two parts; both must be reduced, as one process adds them."""
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    build = lambda: (torch.manual_seed(0), nn.Sequential(  # noqa: E731
+        nn.Linear(5, 7), *[ReentrantBlock(7) for _ in range(3)], nn.Linear(7, 3)).double())[1]
+    model, ref = minishard.ZeRO(build(), stage=stage, units={ReentrantBlock}), build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        (x1, y1), (x2, y2) = [(torch.randn(2 * ws, 5, generator=gen, dtype=torch.float64),
+                               torch.randn(2 * ws, 3, generator=gen, dtype=torch.float64))
+                              for _ in range(2)]
+        mine = lambda t: t[2 * rank:2 * rank + 2]  # noqa: E731
+        (F.mse_loss(model(mine(x1)), mine(y1)) + 2 * F.mse_loss(model(mine(x2)), mine(y2))
+         ).backward()
+        (F.mse_loss(ref(x1), y1) + 2 * F.mse_loss(ref(x2), y2)).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    got, want = model.full_state_dict(), ref.state_dict()
+    return [f"rank {rank} {k}: {(got[k] - want[k]).abs().max().item():.3g}" for k in want
+            if not torch.allclose(got[k], want[k], rtol=1e-9, atol=1e-11)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_gradient_arriving_in_two_parts_is_reduced_whole(pools, stage):
+    assert pools(2).run(two_forwards_one_backward, stage) == [[]] * 2
