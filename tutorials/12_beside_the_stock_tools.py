@@ -265,8 +265,11 @@ def sgd(params):
 # ------------------------------------------------------------- what each tool sends and holds
 def tensor_bytes_alive() -> int:
     """Bytes of every distinct tensor storage alive in this process that Python can see (the
-    garbage collector's tensors; a storage shared by views counted once). The barrier first:
-    each gloo worker thread keeps the last collective's tensors until it runs another."""
+    garbage collector's tensors; a storage shared by views counted once). Collectives first:
+    each gloo worker thread keeps the last collective's tensors until it runs another, so
+    several small ones at once give every thread one of the same size each time."""
+    for work in [dist.all_reduce(torch.zeros(1), async_op=True) for _ in range(4)]:
+        work.wait()
     dist.barrier()
     gc.collect()
     storages = {}
