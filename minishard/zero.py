@@ -191,8 +191,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                 find_unused=find_unused_parameters, every_group=groups.every,
                                 log=self._meters.log)
         self._pass = Pass.FORWARD  # see _start_backward
-        self._forward_open = False  # a forward ran whose parameters are not handed back yet
-        self._accumulating = False  # the last backward was under no_sync: the step is not over
+        self._forward_open = self._accumulating = False  # _end_open_forward, _to_sharded
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         self._join_state = JoinState()
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
@@ -284,21 +283,18 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         if self.policy.free_after_forward:
             for unit in self.units:
                 unit.release(self._meters.on_free)
-        self._accumulating = not self.require_backward_grad_sync
+        self._accumulating = not self.require_backward_grad_sync  # the step goes on
         self._to_sharded()
         self._pass = Pass.FORWARD
 
     def _to_sharded(self) -> None:
-        """The user parameters again. Between the micro-batches of one step (after a no_sync
-        backward) the gathered parameters stay current on every rank alike, whatever ran."""
+        """The user parameters again; inside one step (after a no_sync backward) still current."""
         for unit in self.units:
             unit.to_sharded(keep_current=self._accumulating)
         self._forward_open = False
 
     def _end_open_forward(self) -> None:
-        """A forward whose backward never ran (an evaluation left with grad enabled, a unit
-        called on its own) is over when the engine is used next: its parameters go back to the
-        user, who may have written the shards since."""
+        """A forward never backpropagated (grad left on, a unit called alone) ends here."""
         if self._forward_open:
             self._to_sharded()
 
