@@ -110,7 +110,7 @@ def read_checked(file: str, expect: dict | None = None):
             raise CheckpointError(_size_problem(file, len(data), expect["bytes"]))
         if hashlib.sha256(data).hexdigest() != expect["sha256"]:
             raise CheckpointError(
-                f"{file} does not match the sha256 recorded in meta.pt: it was corrupted or "
+                f"{file} does not match the sha256 its checkpoint recorded: it was corrupted or "
                 "overwritten after the checkpoint was saved. Load an earlier checkpoint.")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
