@@ -127,10 +127,18 @@ def test_world_sizes_in_words():
     assert needs({4, 2}) == "2 or 4" and needs(range(2, 5)) == "2, 3 or 4" and needs([3]) == "3"
 
 
-def test_a_retried_exit_abort_is_reported(monkeypatch):
-    """The net: an exit abort is retried once, and the retry is a warning, never silent."""
-    runs = iter([subprocess.CompletedProcess([], -6, "All assertions held.\n", _EXIT_ABORT),
+@pytest.mark.parametrize("code, stderr", [(-6, _EXIT_ABORT), (1, _PEER_GONE)])
+def test_a_retried_exit_abort_is_reported(monkeypatch, code, stderr):
+    """The net: an exit abort (or a rank gone after the lesson finished) is retried once, and the
+    retry is a warning, never silent."""
+    runs = iter([subprocess.CompletedProcess([], code, "All assertions held.\n", stderr),
                  subprocess.CompletedProcess([], 0, "All assertions held.\n", "")])
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: next(runs))
-    with pytest.warns(UserWarning, match="aborted at interpreter exit"):
+    with pytest.warns(UserWarning, match="failed at teardown after the script finished"):
         assert _ok(torchrun(3, "tutorials/01_collectives.py")) == "All assertions held.\n"
+
+
+def test_a_failure_before_the_end_is_not_retried(monkeypatch):
+    runs = iter([subprocess.CompletedProcess([], 1, "", _PEER_GONE)])
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: next(runs))
+    assert torchrun(3, "tutorials/01_collectives.py").returncode == 1
