@@ -491,7 +491,7 @@ def send_recv(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=
     ``src``; returns when both are done. Both at once, because in a ring where every rank first
     sends (blocking) and then receives, every rank can wait for a receiver that is itself still
     sending. Point-to-point, not a collective: the ledger does not record it (the exercises in
-    minishard/exercise.py count its bytes themselves)."""
+    minishard/course/exercise.py count its bytes themselves)."""
     if not recv.is_contiguous():
         raise ValueError("send_recv: recv must be contiguous (it is received in place)")
     works = [dist.isend(send.contiguous(), _global(group, dst), group=group, tag=_P2P_TAG),

@@ -70,7 +70,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.utils._pytree import tree_flatten, tree_map
 
 from minishard import comm
-from minishard.full_state import hyperparameters
+from minishard.checkpoint.full_state import hyperparameters
 
 __all__ = ["JoinState", "announce", "ZeROJoinHook", "ShardedJoinHook"]
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.state import checkpoint_path
+from minishard.checkpoint.state import checkpoint_path
 
 D, GLOBAL_BATCH = 8, 8  # the global batch divides evenly over 1, 2, 4 or 8 ranks
 

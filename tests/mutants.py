@@ -27,19 +27,19 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = {
     "sum_not_avg": (
         "gradients SUMMED over ranks instead of averaged",
-        [("minishard/flat.py", 'comm.all_reduce(send, "avg",', 'comm.all_reduce(send, "sum",'),
-         ("minishard/flat.py", 'comm.reduce_scatter(out, send.reshape(-1), "avg",',
+        [("minishard/zero/flat.py", 'comm.all_reduce(send, "avg",', 'comm.all_reduce(send, "sum",'),
+         ("minishard/zero/flat.py", 'comm.reduce_scatter(out, send.reshape(-1), "avg",',
           'comm.reduce_scatter(out, send.reshape(-1), "sum",')],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32",
          "tests/test_differential.py"]),
     "clip_without_min": (
         "clip_grad_norm_ scales by max_norm/norm even when the norm is below max_norm",
-        [("minishard/reductions.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+        [("minishard/zero/reductions.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
           "clip = max_norm / (total + 1e-6)")],
         ["tests/test_training.py::test_clip_grad_norm_matches_torch_on_the_unsharded_model"]),
     "zero_grads_for_unused": (
         "a flat buffer no rank used gets a zero gradient (Adam, momentum, decay then move it)",
-        [("minishard/reductions.py", "if flat.requires_grad and flat.full.grad is not None:",
+        [("minishard/zero/reductions.py", "if flat.requires_grad and flat.full.grad is not None:",
           "if flat.requires_grad:")],
         ["tests/test_differential.py"]),
     "ledger_without_(N-1)/N": (
@@ -52,7 +52,7 @@ MUTANTS = {
          "tests/test_zero.py::test_ledger_one_step_is_the_stage_formula"]),
     "master_rounded_to_bf16": (
         "the fp32 master shard is rounded to the compute dtype at every gather",
-        [("minishard/flat.py", "            return [self.shard]",
+        [("minishard/zero/flat.py", "            return [self.shard]",
           "            self.shard.copy_(self.shard.to(self.param_dtype))\n"
           "            return [self.shard]")],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
@@ -71,56 +71,56 @@ MUTANTS = {
         ["tests/test_contiguous.py"]),
     "freeze_prefix_siblings": (
         "unit 'b' also owns module 'b2' (a name prefix, not a path prefix)",
-        [("minishard/unit.py", 'name == scope or name.startswith(scope + ".")',
+        [("minishard/zero/unit.py", 'name == scope or name.startswith(scope + ".")',
           "name == scope or name.startswith(scope)")],
         ["tests/test_freeze_siblings.py::test_a_unit_does_not_own_its_prefix_siblings"]),
     "from_rank0_skips_buffers": (
         "load_full_state_dict(from_rank0=True) loads parameters but never broadcasts buffers",
-        [("minishard/full_state.py",
+        [("minishard/checkpoint/full_state.py",
           'comm.broadcast(value, 0, every, tag=f"{name} (from rank 0)")', "pass")],
         ["tests/test_contiguous.py::test_load_full_state_dict_from_rank0_with_a_transposed_tensor",
          "tests/test_rank0.py"]),
     "find_unused_zero_grads_for_unused_by_all": (
         "find_unused_parameters: a unit NO rank used keeps the zeros reduced into it as its grad",
-        [("minishard/reductions.py", "                    p.grad = grad", "                    pass")],
+        [("minishard/zero/reductions.py", "                    p.grad = grad", "                    pass")],
         ["tests/test_unused_by_all.py"]),
     "checkpoint_keeps_current_hyperparameters": (
         "load_checkpoint keeps the optimizer's current hyperparameters instead of the saved groups'",
-        [("minishard/state.py", '            ({k: v for k, v in saved.items() if k != "names"},',
+        [("minishard/checkpoint/state.py", '            ({k: v for k, v in saved.items() if k != "names"},',
           '            ({k: v for k, v in group.items() if k != "params"},')],
         ["tests/test_state.py::test_param_groups_by_dim_survive_a_checkpoint_and_the_export"]),
     "deferred_init_on_global_rank_0": (
         "deferred init runs the initialiser on global rank 0, not the group's rank 0 (a group "
         "without global rank 0 then broadcasts uninitialised memory)",
-        [("minishard/deferred_init.py", "        if comm.group_rank(group) == 0:",
+        [("minishard/zero/deferred_init.py", "        if comm.group_rank(group) == 0:",
           "        if torch.distributed.get_rank() == 0:")],
         ["tests/test_deferred_init.py::test_deferred_init_on_a_group_without_global_rank_0"]),
     "deferred_init_allocations_not_nan": (
         "storage an initialiser allocates holds whatever memory held (an allocate-only "
         "param_init_fn trains on garbage)",
-        [("minishard/deferred_init.py", '            out.fill_(float("nan"))', "            pass")],
+        [("minishard/zero/deferred_init.py", '            out.fill_(float("nan"))', "            pass")],
         ["tests/test_deferred_init.py::test_unwritten_meta_tensor_is_an_error_on_every_rank"]),
     "find_unused_launches_during_backward": (
         "find_unused_parameters: reductions launched as they become ready (ranks that ran "
         "different branches then deadlock against SyncBatchNorm's backward all-reduce)",
-        [("minishard/reductions.py",
+        [("minishard/zero/reductions.py",
           "                self._used.add(id(flat))",
           "                self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
     "export_copies_on_every_rank": (
         "full_state_dict(rank0_only=True) copies every full tensor out on the other ranks too",
-        [("minishard/full_state.py", "    if not keep:\n        return None\n    return [_unpad(",
+        [("minishard/checkpoint/full_state.py", "    if not keep:\n        return None\n    return [_unpad(",
           "    return [_unpad(")],
         ["tests/test_memory_wall.py::test_rank0_only_export_holds_two_units_on_the_other_ranks"]),
     "staging_per_unit": (
         "every gather of an export or a load allocates its own staging rows, not a view of one",
-        [("minishard/full_state.py", "        return self._bytes[:nbytes].view(dtype).view(shape)",
+        [("minishard/checkpoint/full_state.py", "        return self._bytes[:nbytes].view(dtype).view(shape)",
           "        return self._bytes.new_empty(nbytes).view(dtype).view(shape)")],
         ["tests/test_memory_wall.py::test_rank0_only_export_holds_two_units_on_the_other_ranks",
          "tests/test_memory_wall.py::test_load_from_rank0_holds_one_staging_buffer_and_the_regathers"]),
     "reduction_launched_before_the_oldest_is_waited": (
         "stages 2-3 launch a reduction before waiting for the oldest: three in flight, not two",
-        [("minishard/reductions.py",
+        [("minishard/zero/reductions.py",
           "        while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:",
           "        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:")],
         ["tests/test_memory_wall.py::test_at_most_two_reductions_hold_their_buffers",
@@ -128,21 +128,21 @@ MUTANTS = {
     "param_groups_compared_as_sets": (
         "a checkpoint's param groups compared as sets: [no_decay, decay] loads [decay, no_decay]'s"
         " settings into the wrong groups",
-        [("minishard/state.py", "    if groups != saved_groups:",
+        [("minishard/checkpoint/state.py", "    if groups != saved_groups:",
           "    if sorted(map(sorted, groups)) != sorted(map(sorted, saved_groups)):")],
         ["tests/test_state.py::test_groups_in_another_order_are_refused_not_swapped"]),
     "backward_bucket_in_forward_order": (
         "a stage-3 backward bucket built in forward order: units gathered long before they run",
-        [("minishard/gathers.py", "else self.order[:i][::-1]", "else self.order[:i]")],
+        [("minishard/zero/gathers.py", "else self.order[:i][::-1]", "else self.order[:i]")],
         ["tests/test_bucket_order.py"]),
     "fp32_statistics_only_for_batchnorm2d": (
         "buffer_dtype keeps only BatchNorm2d's running statistics in fp32, not BatchNorm1d/3d's",
-        [("minishard/config.py", "        if isinstance(m, nn.modules.batchnorm._BatchNorm):",
+        [("minishard/zero/config.py", "        if isinstance(m, nn.modules.batchnorm._BatchNorm):",
           "        if isinstance(m, nn.BatchNorm2d):")],
         ["tests/test_mixed_batchnorm.py"]),
     "batchnorm_weights_cast_to_param_dtype": (
         "mixed precision casts a BatchNorm's weight and bias to param_dtype like any layer's",
-        [("minishard/build.py", "        compute = None if batch_norm or not p.dtype.is_floating_point",
+        [("minishard/zero/build.py", "        compute = None if batch_norm or not p.dtype.is_floating_point",
           "        compute = None if not p.dtype.is_floating_point")],
         ["tests/test_mixed_batchnorm.py"]),
     "unknown_op_summed": (
@@ -152,53 +152,53 @@ MUTANTS = {
         ["tests/test_comm_ops.py"]),
     "marked_wrapped_before_materialising": (
         "modules marked wrapped before their deferred init ran: a failed init cannot be retried",
-        [("minishard/build.py", "        built.append(unit)",
+        [("minishard/zero/build.py", "        built.append(unit)",
           "        unit.module._minishard_unit = unit.name\n        built.append(unit)")],
         ["tests/test_wrap_retry_and_events.py::test_a_failed_deferred_init_can_be_wrapped_again"]),
     "backward_logged_per_output": (
         "a unit returning several tensors logs \"backward\" once per tensor",
-        [("minishard/meters.py", "        if unit.name not in self._backward_logged:",
+        [("minishard/zero/meters.py", "        if unit.name not in self._backward_logged:",
           "        if True:")],
         ["tests/test_wrap_retry_and_events.py::test_a_unit_with_two_outputs_logs_one_backward"]),
     "trace_clock_shift_in_ms": (
         "trace.py shifts each rank's clock by wall nanoseconds / 1e6 instead of / 1000 (us)",
-        [("minishard/trace.py", "_shifted(e, (wall - origin) / 1000)",
+        [("minishard/observe/trace.py", "_shifted(e, (wall - origin) / 1000)",
           "_shifted(e, (wall - origin) / 1e6)")],
         ["tests/test_trace.py::test_one_collective_ends_at_the_same_time_on_every_rank"]),
     "dcp_digests_not_checked": (
         "a DCP load skips the sha256 digests minishard saved beside it: corrupted bytes load",
-        [("minishard/dcp_checkpoint.py",
+        [("minishard/checkpoint/dcp.py",
           "        check_dcp_digests(path, metadata, (comm.group_rank(group), comm.group_size(group)))",
           "        pass")],
         ["tests/test_dcp.py::test_a_byte_changed_in_a_dcp_data_file_is_caught"]),
     "dcp_keeps_current_hyperparameters": (
         "a DCP checkpoint's param groups are read but the optimizer keeps its own lr, betas, ...",
-        [("minishard/dcp_checkpoint.py",
+        [("minishard/checkpoint/dcp.py",
           "        loaded.append((saved, states))",
           "        loaded.append((hyperparameters(group), states))")],
         ["tests/test_dcp.py::test_fsdp2_checkpoint_loads_into_minishard_at_another_world_size"]),
     "replicated_scalar_gradient_on_rank0_only": (
         "a 0-dim parameter's gradient column is not copied to every rank before the "
         "reduce-scatter: only rank 0 receives its average, the others step it with zero",
-        [("minishard/flat.py",
+        [("minishard/zero/flat.py",
           "            send[1:, start + flat.offsets[j]] = send[0, start + flat.offsets[j]]",
           "            pass")],
         ["tests/test_your_parameters.py::test_the_parameters_stay_the_users",
          "tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
     "torch_clip_unseen_by_the_ledger": (
         "the ledger does not watch the collectives DTensor runs for torch's clip_grad_norm_",
-        [("minishard/dtensors.py", "costs.WATCHERS.append(torch_collectives)", "pass")],
+        [("minishard/zero/params.py", "costs.WATCHERS.append(torch_collectives)", "pass")],
         ["tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
     "replicated_gradient_averaged_over_the_shard_group": (
         "on a 2-D mesh a replicated parameter's gradient is averaged inside its shard group "
         "only: each replica steps it with its own mean",
-        [("minishard/build.py", "flat = FlatBuffer(layout, groups.every if replicated else "
+        [("minishard/zero/build.py", "flat = FlatBuffer(layout, groups.every if replicated else "
           "groups.shard,", "flat = FlatBuffer(layout, groups.shard,")],
         ["tests/test_replicated.py::"
          "test_training_with_replicated_parameters_equals_one_process"]),
     "replicated_gradient_counted_by_every_rank_in_model_clip": (
         "model.clip_grad_norm_ adds a replicated gradient's |g|^p on every rank of the group",
-        [("minishard/unit.py", "if p.grad is not None and (lead or not owned or not "
+        [("minishard/zero/unit.py", "if p.grad is not None and (lead or not owned or not "
           "flat.is_replicated(j))]", "if p.grad is not None]")],
         ["tests/test_replicated.py::test_model_clip_counts_a_replicated_gradient_once"]),
     "joined_rank_skips_its_step": (
@@ -217,7 +217,7 @@ MUTANTS = {
     "joined_rank_reports_usage": (
         "find_unused_parameters under Join: a joined rank's empty batch marks what it ran as "
         "used, so a branch no active rank took gets zero gradients and Adam moves it",
-        [("minishard/reductions.py", "            if not self.shadowing:  # a joined rank's",
+        [("minishard/zero/reductions.py", "            if not self.shadowing:  # a joined rank's",
           "            if True:  # a joined rank's")],
         ["tests/test_join.py::test_a_branch_only_the_joined_rank_takes_stays_unused"]),
     "joined_owner_steps_without_the_averaged_gradient": (
@@ -234,7 +234,7 @@ MUTANTS = {
     "full_kept_current_between_steps": (
         "stages 1-2 keep the full parameters marked current when the shards go back to the "
         "user: a foreach step or an edit through .data is never gathered",
-        [("minishard/unit.py", "            if not keep_current:\n                flat.mark_stale()",
+        [("minishard/zero/unit.py", "            if not keep_current:\n                flat.mark_stale()",
           "            pass")],
         ["tests/test_writes.py::test_foreach_and_fused_optimizers_train_as_one_process"]),
     "joined_rank_backward_from_the_sum": (
@@ -246,41 +246,41 @@ MUTANTS = {
          "test_an_output_the_batch_does_not_touch_gets_no_gradient_from_a_joined_rank"]),
     "dcp_extra_not_digested": (
         "a DCP checkpoint's extra.pt has no checksum: a flipped byte loads silently",
-        [("minishard/dcp_checkpoint.py", "        digests[EXTRA] = extra_file", "        pass")],
+        [("minishard/checkpoint/dcp.py", "        digests[EXTRA] = extra_file", "        pass")],
         ["tests/test_extra_state.py::test_a_damaged_extra_file_is_refused"]),
     "check_checkpoint_skips_extra": (
         "check_checkpoint (and so latest_checkpoint) does not look at extra.pt: a resume loop "
         "picks a checkpoint whose extra.pt is damaged",
-        [("minishard/checkpoint_files.py", 'for info in meta["files"] + [e for e in '
+        [("minishard/checkpoint/files.py", 'for info in meta["files"] + [e for e in '
           '[meta.get("extra_file")] if e]:', 'for info in meta["files"]:')],
         ["tests/test_extra_state.py::test_a_resume_loop_falls_back_past_a_damaged_extra_file"]),
     "full_tensor_ledgered_as_one_chunk": (
         "the ledger records a user's full_tensor() at one rank's chunk (1/N of its bytes)",
-        [("minishard/dtensors.py", "tensor.numel() * (n if gathered else 1)", "tensor.numel()")],
+        [("minishard/zero/params.py", "tensor.numel() * (n if gathered else 1)", "tensor.numel()")],
         ["tests/test_torch_tools.py::test_a_full_tensor_is_in_the_ledger_at_its_full_size"]),
     "persist_below_inclusive": (
         "persist_below=n keeps a parameter of exactly n elements whole",
-        [("minishard/build.py", "if p.numel() < persist_below:", "if p.numel() <= persist_below:")],
+        [("minishard/zero/build.py", "if p.numel() < persist_below:", "if p.numel() <= persist_below:")],
         ["tests/test_replicated.py::"
          "test_persist_below_n_keeps_exactly_the_parameters_of_fewer_than_n_elements"]),
     "step_formula_keeps_every_full_gradient": (
         "the step formula counts every full gradient at stages 2-3 (an overstatement the "
         "measured bound cannot see)",
-        [("minishard/meters.py", "keeps_full_grads = not policy.free_grads_early or "
+        [("minishard/zero/meters.py", "keeps_full_grads = not policy.free_grads_early or "
           "model.find_unused", "keeps_full_grads = True")],
         ["tests/test_memory_wall.py::"
          "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
     "step_formula_forgets_find_unused": (
         "the step formula forgets that find_unused_parameters keeps every full gradient at "
         "stage 2 until the end of backward",
-        [("minishard/meters.py", "keeps_full_grads = not policy.free_grads_early or "
+        [("minishard/zero/meters.py", "keeps_full_grads = not policy.free_grads_early or "
           "model.find_unused", "keeps_full_grads = not policy.free_grads_early")],
         ["tests/test_memory_wall.py::"
          "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
     "open_forward_never_ended": (
         "a forward whose backward never ran (grad enabled, or one unit called alone) keeps its "
         "gathered parameters marked current: the step after it is never gathered",
-        [("minishard/zero.py", "        if self._forward_open:\n            self._to_sharded()",
+        [("minishard/zero/engine.py", "        if self._forward_open:\n            self._to_sharded()",
           "        pass")],
         ["tests/test_writes.py::test_a_forward_never_backpropagated_leaves_no_stale_parameters"]),
     "joined_rank_keeps_its_no_sync_gradient": (
@@ -293,7 +293,7 @@ MUTANTS = {
     "second_gradient_part_dropped": (
         "a buffer's gradient arriving in two parts in one backward (reentrant checkpointing) "
         "keeps only the first part",
-        [("minishard/reductions.py", "if id(flat) in self._reduced and (",
+        [("minishard/zero/reductions.py", "if id(flat) in self._reduced and (",
           "if id(flat) in self._reduced or 0 and (")],
         ["tests/test_training.py::test_a_gradient_arriving_in_two_parts_is_reduced_whole"]),
 }

@@ -22,9 +22,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from minishard import ZeRO
-from minishard.state import (CheckpointError, check_checkpoint, checkpoint_path,
-                             full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
-                             save_checkpoint)
+from minishard.checkpoint.state import (CheckpointError, check_checkpoint, checkpoint_path,
+                                        full_optimizer_state_dict, latest_checkpoint,
+                                        load_checkpoint, save_checkpoint)
 from torch import nn
 
 from test_state import (Block, Gate, Net, assert_same_state, fresh, load_and_finish, make,

@@ -26,9 +26,9 @@ from torch import nn
 
 import minishard
 from minishard import comm
-from minishard.exercise import EXERCISES, STUBS, check, main
-from minishard.flat import FlatBuffer, FlatMode, reduce_grads
-from minishard.layout import Layout
+from minishard.course.exercise import EXERCISES, STUBS, check, main
+from minishard.zero.flat import FlatBuffer, FlatMode, reduce_grads
+from minishard.zero.layout import Layout
 from torch.distributed.tensor import DTensor
 from minishard.syncbn import SyncBatchNormFunction
 
@@ -424,8 +424,8 @@ def _raises(shapes, world, rank):
 def checks_that_crash():
     """On a rank: an exercise whose own checks raise on what the solution returned (a safety net
     no real exercise should need): reported as a failure, never raised."""
-    from minishard import exercise
-    from minishard.exercise_oracles import EXERCISES, Exercise
+    from minishard.course import exercise
+    from minishard.course.oracles import EXERCISES, Exercise
     EXERCISES["_crashing"] = Exercise("_crashing", "", lambda rng, w, i: {},
                                       lambda fn, case, r, w: (fn() + 1, None),
                                       lambda case, r, w: "")

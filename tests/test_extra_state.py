@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from hypothesis import example, given, settings, strategies as st
 
-from minishard.checkpoint_files import check_checkpoint, latest_checkpoint
-from minishard.state import CheckpointError, load_checkpoint, save_checkpoint
+from minishard.checkpoint.files import check_checkpoint, latest_checkpoint
+from minishard.checkpoint.state import CheckpointError, load_checkpoint, save_checkpoint
 from minishard.testing import RankError
 from test_hybrid import mesh_of
 from test_state import make

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minishard.state import (CheckpointError, check_checkpoint, checkpoint_path,
-                             latest_checkpoint, load_checkpoint, save_checkpoint)
+from minishard.checkpoint.state import (CheckpointError, check_checkpoint, checkpoint_path,
+                                        latest_checkpoint, load_checkpoint, save_checkpoint)
 from minishard.testing import RankError, RankPool
 
 from fault_train import build, forward_backward  # tests/ is on sys.path (pytest rootdir conftest)

@@ -43,7 +43,7 @@ import test_training
 import test_zero
 import test_zero_oracles
 from minishard import ZeRO
-from minishard.state import load_checkpoint, save_checkpoint
+from minishard.checkpoint.state import load_checkpoint, save_checkpoint
 from test_zero import (batch, build, expected_buffers, loss_fn, make_opt, mismatches, numel, padded,
                        rows_of, specs, unit_arg)
 

@@ -30,12 +30,12 @@ def test_the_kill_check_fails_on_a_survivor_and_passes_on_a_kill(monkeypatch, ca
     by running the script; its last full run is recorded in bench/RESULTS.md."""
     monkeypatch.setitem(mutants.MUTANTS, "harmless", (
         "a comment changed: nothing can notice",
-        [("minishard/memory.py", "    sharded = psi - replicated",
+        [("minishard/observe/memory.py", "    sharded = psi - replicated",
           "    sharded = psi - replicated  # harmless")],
         ["tests/test_plan.py::test_paper_figure_1_numbers"]))
     monkeypatch.setitem(mutants.MUTANTS, "grads_never_sharded", (
         "the ZeRO formula never shards gradients",
-        [("minishard/memory.py", '"grads": stage >= 2', '"grads": stage >= 9')],
+        [("minishard/observe/memory.py", '"grads": stage >= 2', '"grads": stage >= 9')],
         ["tests/test_plan.py::test_paper_figure_1_numbers"]))
     assert mutants.main(["harmless"]) == 1
     assert mutants.main(["grads_never_sharded"]) == 0

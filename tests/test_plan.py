@@ -25,9 +25,9 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import minishard
-from minishard.memory import activation_bytes, activation_bytes_per_layer, step_bytes
-from minishard.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
-                            parse_headroom)
+from minishard.observe.memory import activation_bytes, activation_bytes_per_layer, step_bytes
+from minishard.observe.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
+                                    parse_headroom)
 
 
 def run_cli(capsys, *argv: str) -> str:
@@ -179,7 +179,7 @@ def test_cli_accepts_7B_and_refuses_nonsense(capsys):
 # ------------------------------------------------------------------------------- activations
 def paper_itemisation(s: int, b: int, h: int, a: int) -> int:
     """Korthikanti et al. 2022, section 4.1: what one layer stores, item by item (16-bit
-    values, 1-byte dropout masks). Written out here, not taken from minishard.memory."""
+    values, 1-byte dropout masks). Written out here, not taken from minishard.observe.memory."""
     attention = (2 * s * b * h          # QKV projection input
                  + 4 * s * b * h        # Q and K, for QK^T
                  + 2 * a * s * s * b    # softmax output

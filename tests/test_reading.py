@@ -1,6 +1,6 @@
 """What a reader of minishard/ relies on beyond the size budgets (test_budgets.py): README's map
 names every file, the source explains instead of remembering, and FlatBuffer stays small enough
-to read alone (its layout arithmetic lives in layout.py)."""
+to read alone (its layout arithmetic lives in zero/layout.py)."""
 import ast
 import re
 from pathlib import Path
@@ -18,7 +18,7 @@ HISTORY = re.compile(r"\b(as before|used to|old|no longer|kept for|formerly|"
 
 
 def files() -> list[Path]:
-    return sorted(PACKAGE.glob("*.py"))
+    return sorted(PACKAGE.rglob("*.py"))
 
 
 def history_lines(text: str) -> list[str]:
@@ -29,12 +29,18 @@ def test_readme_map_names_every_file():
     readme = (ROOT / "README.md").read_text()
     block = readme[readme.index("```\nminishard/\n"):]
     block = block[:block.index("\n```")]
-    named = set(re.findall(r"^  (\w+\.py)\b", block, re.MULTILINE))
-    missing = {p.name for p in files()} - named - {"__init__.py"}
+    named, folder = set(), ""
+    for indent, entry in re.findall(r"^( +)(\w+\.py|\w+/)", block, re.MULTILINE):
+        if entry.endswith("/") and len(indent) == 2:
+            folder = entry
+        elif entry.endswith(".py") and len(indent) <= 4:
+            named.add(entry if len(indent) == 2 else folder + entry)
+    missing = {p.relative_to(PACKAGE).as_posix() for p in files()} - named
+    missing = {m for m in missing if not m.endswith("__init__.py")}
     assert not missing, f"README's map of minishard/ does not name {sorted(missing)}"
 
 
-@pytest.mark.parametrize("path", files(), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", files(), ids=lambda p: p.relative_to(PACKAGE).as_posix())
 def test_no_comment_narrates_history(path):
     assert history_lines(path.read_text()) == []
 
@@ -45,6 +51,6 @@ def test_the_history_check_can_fail():
 
 
 def test_flatbuffer_reads_alone():
-    tree = ast.parse((PACKAGE / "flat.py").read_text())
+    tree = ast.parse((PACKAGE / "zero" / "flat.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FlatBuffer")
     assert cls.end_lineno - cls.lineno + 1 <= FLATBUFFER_LINES

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from minishard import MixedPrecision, ZeRO
-from minishard.memory import zero_bytes
-from minishard.state import full_optimizer_state_dict, load_checkpoint, save_checkpoint
+from minishard.observe.memory import zero_bytes
+from minishard.checkpoint.state import full_optimizer_state_dict, load_checkpoint, save_checkpoint
 
 from test_dcp import assert_same_optimizer_state
 from test_state import (GLOBAL_BATCH, Block, Gate, Net, assert_same_state, fresh, global_batch,

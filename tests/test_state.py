@@ -16,10 +16,10 @@ from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
 from minishard import ZeRO
-from minishard.state import (CheckpointError, check_checkpoint, checkpoint_path,
-                             full_optimizer_state_dict, latest_checkpoint, load_checkpoint,
-                             load_full_optimizer_state_dict, original_parameter_names,
-                             save_checkpoint)
+from minishard.checkpoint.state import (CheckpointError, check_checkpoint, checkpoint_path,
+                                        full_optimizer_state_dict, latest_checkpoint,
+                                        load_checkpoint, load_full_optimizer_state_dict,
+                                        original_parameter_names, save_checkpoint)
 from minishard.testing import RankError
 
 GLOBAL_BATCH = 12  # divisible by every world size 1-4
@@ -150,7 +150,7 @@ def try_save_over(ckpt, overwrite=False):
 
 def load_recording_reads(ckpt):
     """Load, and return the files this rank opened."""
-    import minishard.checkpoint_files as files
+    import minishard.checkpoint.files as files
     opened, read = [], files.read_checked
     files.read_checked = lambda file, expect=None: (opened.append(os.path.basename(file)),
                                                     read(file, expect))[1]
@@ -508,9 +508,9 @@ def test_param_groups_by_dim_survive_a_checkpoint_and_the_export(pools, tmp_path
 
 def meta_fails_on_rank_0(ckpt):
     """meta.pt cannot be built on rank 0: every rank raises, none waits forever."""
-    import minishard.state
+    import minishard.checkpoint.state
     model, opt = make(2, "adam")
-    with unittest.mock.patch.object(minishard.state, "_meta", side_effect=RuntimeError("disk full")):
+    with unittest.mock.patch.object(minishard.checkpoint.state, "_meta", side_effect=RuntimeError("disk full")):
         try:
             save_checkpoint(ckpt, model, opt)
         except Exception as exc:  # noqa: BLE001 - the test reads the type and message

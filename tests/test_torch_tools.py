@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from minishard import ZeRO, comm
-from minishard.state import full_optimizer_state_dict
+from minishard.checkpoint.state import full_optimizer_state_dict
 
 from test_dcp import (assert_same_optimizer_state, by_index, fsdp2_load_and_step,
                       fsdp2_train_and_save, one_more_step)

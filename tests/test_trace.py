@@ -12,7 +12,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 import minishard
 from minishard import comm
-from minishard.trace import TRACKS, draw
+from minishard.observe.trace import TRACKS, draw
 
 BLOCKS = 4
 

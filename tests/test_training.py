@@ -760,7 +760,7 @@ def bucketing_changes_calls_not_numbers(cfg: dict, stage: int, steps: int = 3):
     oracle, *_ = oracle_train(base, data, adam())
     calls = {}
     for cap in (1, 2**40):
-        with unittest.mock.patch.object(minishard.config, "BUCKET_BYTES", cap):
+        with unittest.mock.patch.object(minishard.zero.config, "BUCKET_BYTES", cap):
             model, _, _, _, led = train_zero(base, cfg, stage, data, adam())
         assert_params_close(model.full_state_dict(), oracle, **FP32_TOL)
         calls[cap] = (led.count("all_reduce" if stage == 0 else "reduce_scatter"),

@@ -48,10 +48,10 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import bar_chart, fmt_bytes, zero_bytes, pyplot
+from minishard.observe.memory import bar_chart, fmt_bytes, zero_bytes, pyplot
 
 WIDTH, BLOCKS, BATCH = 96, 4, 8  # every parameter has 96 rows: divisible by 1-4, no padding
-LAYOUT = {"a": (3, 2), "b": (3,), "c": (5,)}  # part 0's unit (minishard/flat.py draws it too)
+LAYOUT = {"a": (3, 2), "b": (3,), "c": (5,)}  # part 0's unit (minishard/zero/flat.py draws it too)
 
 
 class Three(nn.Module):
@@ -212,7 +212,7 @@ def grads_held(stage: int, mem: dict) -> int:
 def plot_against_world_size(path: str, psi: int, rank: int, world: int) -> None:
     """What the table cannot show: how each stage's bytes per rank fall as ranks are added.
 
-    Lines: the formulas (minishard/memory.py) for 1 to 8 ranks. Points: measured in this run at
+    Lines: the formulas (minishard/observe/memory.py) for 1 to 8 ranks. Points: measured in this run at
     every world size up to ours, by training on the first k ranks only (a process group of k),
     and asserted equal to the formula there too."""
     measured = {}  # (stage, k) -> bytes held per rank

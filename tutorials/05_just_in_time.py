@@ -45,7 +45,7 @@ from torch import nn
 
 import minishard
 from minishard import comm
-from minishard.memory import bar_chart, fmt_bytes, pyplot
+from minishard.observe.memory import bar_chart, fmt_bytes, pyplot
 
 WIDTH, BLOCKS = 64, 6
 
@@ -253,7 +253,7 @@ def main(rank: int, world: int, plot: str | None) -> None:
 
     persisting(say, world)
 
-    if rank == 0:  # model.trace(path): every rank's step in one file (minishard/trace.py)
+    if rank == 0:  # model.trace(path): every rank's step in one file (minishard/observe/trace.py)
         with open(trace) as f:
             assert {e["pid"] for e in json.load(f)["traceEvents"]} == set(range(world))
         say(f"\nThe prefetched step, every rank, as a Chrome trace: {trace}\n"
@@ -261,7 +261,7 @@ def main(rank: int, world: int, plot: str | None) -> None:
             "  each 'forward N' after its 'gather N' landed, before 'free N'; 'gather N+1'\n"
             "  starting inside 'forward N' (prefetch); 'reduce N' overlapping the next units'\n"
             "  backward; the 'waits' track, where a rank sat idle. No browser: python -m\n"
-            f"  minishard.trace {trace} trace.png (needs matplotlib).")
+            f"  minishard.observe.trace {trace} trace.png (needs matplotlib).")
     if plot and rank == 0:
         draw(plot, runs, world)
 

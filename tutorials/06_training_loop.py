@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import fmt_bytes
+from minishard.observe.memory import fmt_bytes
 
 # 24 samples: an equal share for 1, 2, 3 or 4 ranks, and two equal micro-batches of it.
 GLOBAL_BATCH, MICRO_BATCHES, STEPS, SAVE_AFTER = 24, 2, 4, 2
@@ -183,7 +183,7 @@ def main(rank: int, world: int) -> None:
     first_half = dist.new_group(list(range(half)))  # every rank must take part in new_group
     root = os.path.join(tempfile.gettempdir(),
                         f"minishard-06-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    path = minishard.state.checkpoint_path(root, SAVE_AFTER)
+    path = minishard.checkpoint.state.checkpoint_path(root, SAVE_AFTER)
 
     # ---- phase 1: the first half of the ranks train, checkpoint, and carry on (the reference)
     reference = None

@@ -35,8 +35,8 @@ from torch import nn
 
 import minishard
 from minishard import comm
-from minishard.memory import bar_chart, fmt_bytes, pyplot
-from minishard.plan import estimate, fmt_decimal, min_ranks
+from minishard.observe.memory import bar_chart, fmt_bytes, pyplot
+from minishard.observe.plan import estimate, fmt_decimal, min_ranks
 
 WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128 rows a parameter: padded when 3 ranks
 
@@ -161,7 +161,7 @@ def main(rank: int, world: int, plot: str | None) -> None:
     ranks, memory = 8, 80e9
     say(f"Part 2: model states per GPU on {ranks} GPUs of {fmt_decimal(memory)}, mixed-precision "
         "Adam (2 + 2 + 12 bytes per parameter;\nactivations not counted: see python -m "
-        "minishard.plan --help):\n")
+        "minishard.observe.plan --help):\n")
     say(f"{'model':<7}" + "".join(f"{f'stage {s}':>11}" for s in range(4))
         + "   lowest stage that fits")
     lowest = {}

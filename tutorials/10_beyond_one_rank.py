@@ -50,8 +50,8 @@ from torch import nn
 
 import minishard
 from minishard import comm
-from minishard.memory import fmt_bytes, zero_bytes
-from minishard.plan import estimate, fmt_decimal, report
+from minishard.observe.memory import fmt_bytes, zero_bytes
+from minishard.observe.plan import estimate, fmt_decimal, report
 
 WIDTH, BLOCKS_PER_RANK, BATCH, STEPS = 384, 4, 8, 3
 BUDGET = 14e6  # bytes of model state per rank (GB = 10^9, as the estimator counts)
@@ -206,7 +206,7 @@ def main(rank: int, world: int) -> None:
     # ---- 3. checkpoint: one file per rank, loaded into a second meta-built model
     root = os.path.join(tempfile.gettempdir(),
                         f"minishard-10-{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}")
-    path = minishard.state.checkpoint_path(root, STEPS)
+    path = minishard.checkpoint.state.checkpoint_path(root, STEPS)
     minishard.save_checkpoint(path, model, opt, overwrite=True)
     sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))}
     say(f"Checkpoint {path}: " + ", ".join(f"{f} {fmt_decimal(s)}" for f, s in sizes.items()))

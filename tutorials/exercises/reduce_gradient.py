@@ -13,7 +13,7 @@ padding: a 1-D tensor of the real elements of piece r (possibly 0 of them).
 
 ``reduce_scatter(out, full)`` makes ``out`` (k elements) this rank's piece of the element-wise
 SUM of every rank's ``full``. Stages 2 and 3 run this as soon as a unit's gradient is ready, in
-backward (minishard/flat.py, ``reduce_grads``).
+backward (minishard/zero/flat.py, ``reduce_grads``).
 """
 import torch
 

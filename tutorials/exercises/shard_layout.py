@@ -14,7 +14,7 @@ shard puts its padded chunks side by side. Return ``(rows, widths, k)``:
              on every rank
     k        the size of this rank's shard: the sum of the widths (the same on every rank)
 
-For a (3, 2), b (3,), c (5,) on 2 ranks (minishard/flat.py draws it):
+For a (3, 2), b (3,), c (5,) on 2 ranks (minishard/zero/flat.py draws it):
 
     rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        a0: row 0 of a (2 elements)
     rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        _: padding

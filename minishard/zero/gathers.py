@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import enum
 
-from minishard import config
-from minishard.flat import FlatBuffer, collective_key, gather_params
+from minishard.zero import config
+from minishard.zero.flat import FlatBuffer, collective_key, gather_params
 
 __all__ = ["Pass", "Gatherer", "MAX_GATHERS_IN_FLIGHT"]
 

@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from minishard.dtensors import local
-from minishard.flat import FlatBuffer, FlatMode, gather_params
+from minishard.zero.params import local
+from minishard.zero.flat import FlatBuffer, FlatMode, gather_params
 
 __all__ = ["Place", "Param", "Unit", "is_inside"]
 

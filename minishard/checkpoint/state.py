@@ -51,17 +51,18 @@ import struct
 
 import torch
 
-from minishard import checkpoint_files, comm
-from minishard.checkpoint_files import (DCP_DIGESTS, DCP_METADATA, EXTRA, FORMAT_VERSION, META,
+from minishard import comm
+from minishard.checkpoint import files as checkpoint_files
+from minishard.checkpoint.files import (DCP_DIGESTS, DCP_METADATA, EXTRA, FORMAT_VERSION, META,
                                         CheckpointError, atomic_save, check_checkpoint,
                                         checkpoint_path, latest_checkpoint, saved_piece,
                                         saved_rows, shard_file_name)
-from minishard.dcp_checkpoint import (init_optimizer_state, is_dcp_checkpoint, read_dcp,
-                                      save_dcp)
-from minishard.full_state import (buffer_state, full_optimizer_state_dict, group_param_names,
-                                  hyperparameters, load_full_optimizer_state_dict,
-                                  load_rows_into, named_params, original_parameter_names,
-                                  split_state, torch_optimizer_state)
+from minishard.checkpoint.dcp import (init_optimizer_state, is_dcp_checkpoint, read_dcp, save_dcp)
+from minishard.checkpoint.full_state import (buffer_state, full_optimizer_state_dict,
+                                             group_param_names, hyperparameters,
+                                             load_full_optimizer_state_dict, load_rows_into,
+                                             named_params, original_parameter_names, split_state,
+                                             torch_optimizer_state)
 from minishard.verdicts import raise_together
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",

@@ -19,9 +19,9 @@ import math
 import torch
 
 from minishard import comm
-from minishard.checkpoint_files import CheckpointError
-from minishard.dtensors import local
-from minishard.flat import FlatMode
+from minishard.checkpoint.files import CheckpointError
+from minishard.zero.params import local
+from minishard.zero.flat import FlatMode
 from minishard.verdicts import rank0_verdict
 
 __all__ = ["gathered", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict",

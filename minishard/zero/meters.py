@@ -34,7 +34,7 @@ full gradient, N the shard group's size::
 
 Stages 1-2 re-gather in forward, two buckets of about ``config.BUCKET_BYTES`` in flight: the
 step's peak is the larger of that and backward's. tests/test_memory_wall.py measures every
-configuration against it with :class:`~minishard.allocations.Allocations`.
+configuration against it with :class:`~minishard.observe.allocations.Allocations`.
 """
 from __future__ import annotations
 
@@ -43,11 +43,12 @@ import time
 
 import torch
 
-from minishard import comm, config
-from minishard.dtensors import local
-from minishard.flat import FlatMode
-from minishard.gathers import MAX_GATHERS_IN_FLIGHT
-from minishard.reductions import MAX_REDUCTIONS_IN_FLIGHT
+from minishard import comm
+from minishard.zero import config
+from minishard.zero.params import local
+from minishard.zero.flat import FlatMode
+from minishard.zero.gathers import MAX_GATHERS_IN_FLIGHT
+from minishard.zero.reductions import MAX_REDUCTIONS_IN_FLIGHT
 
 __all__ = ["Meters", "WrapMeter", "memory_report", "step_transients"]
 
@@ -147,7 +148,7 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
     ``grads``, ``optimizer`` (its state for the user parameters); peaks of the last step:
     ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at once
     in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`). With ``measured`` (an
-    :class:`~minishard.allocations.Allocations` that watched a training step): its
+    :class:`~minishard.observe.allocations.Allocations` that watched a training step): its
     ``measured_step_peak`` beside ``formula_step_peak``, the sum of ``transients`` (the
     buffers :func:`step_transients` names; activations are the module's and not in it)."""
     params = 0

@@ -24,8 +24,6 @@ are seen). The outside check is the process's resident set (bench/rss.py).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import os
 import sys
@@ -36,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["Allocations", "Allocation", "release_free_pages"]
+__all__ = ["Allocations", "Allocation"]
 
 
 @dataclasses.dataclass
@@ -184,30 +182,3 @@ def _counted_resize(storage, size):
         if tracker._thread == me:
             tracker._resized(storage, before, "untyped_storage().resize_")
     return result
-
-
-def _libc_malloc_trim():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
-        return None
-
-
-_malloc_trim = _libc_malloc_trim()
-
-
-def release_free_pages() -> None:
-    """Hand the pages of freed tensors back to the operating system now, where the C library
-    keeps them (glibc; elsewhere a no-op). Called after each module of a meta wrap, whose
-    promise is a flat peak: its full tensors are freed, their pages must go too.
-
-    Why it is needed: glibc serves a large request with its own mapping, returned to the OS on
-    free, but each such free raises the size it maps from then on (up to 32 MiB); later buffers
-    of a unit's size come from the heap, where a freed one is kept and reused only if the next
-    request still fits the hole. Interleaved with small allocations, the holes do not fit, and
-    the resident set grows with the number of modules although the live tensors do not
-    (bench/RESULTS.md, "The memory wall"). ``malloc_trim(0)`` returns every free page at once:
-    ~20 us when there is nothing to return. (A phase that can reuse one buffer needs none of
-    this: full_state.Staging.)"""
-    if _malloc_trim is not None:
-        _malloc_trim(0)

@@ -71,8 +71,8 @@ import torch
 from torch import nn
 
 from minishard import comm
-from minishard.dtensors import Spec, local
-from minishard.layout import Layout, rows_of
+from minishard.zero.params import Spec, local
+from minishard.zero.layout import Layout, rows_of
 
 __all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in", "copy_out",
            "collective_key", "rows_of"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 import minishard
-from minishard.memory import bar_chart, fmt_bytes, pyplot, zero_bytes
+from minishard.observe.memory import bar_chart, fmt_bytes, pyplot, zero_bytes
 
 D = 48  # 48*48 + 48 = 2352 parameters per block: a multiple of 1, 2, 3 and 4, so no padding
 

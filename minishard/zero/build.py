@@ -6,7 +6,7 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
    the root is always a unit (it owns whatever no other unit owns).
 2. **Where every parameter appears.** A parameter may appear under several names: tied weights
    (``head.weight is emb.weight``) and one module object reachable by two paths
-   (``b1.shared is b2.shared``). Every appearance is a :class:`~minishard.unit.Place`.
+   (``b1.shared is b2.shared``). Every appearance is a :class:`~minishard.zero.unit.Place`.
 3. **Who owns it.** A parameter goes to the innermost unit that contains ALL its appearances,
    so a shared weight is never split across units and never duplicated::
 
@@ -14,7 +14,7 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
             └─ b2 (unit) ── shared (same object)   its owner is the root, gathered while both run
 
 4. **Flat buffers.** A unit's parameters are grouped by (dtype, requires_grad, param group) and
-   each group becomes one :class:`~minishard.flat.FlatBuffer`. At stages 1-3 each parameter
+   each group becomes one :class:`~minishard.zero.flat.FlatBuffer`. At stages 1-3 each parameter
    becomes a DTensor of this rank's rows (dtensors.py; flat.py, ``adopt``); stage 0 keeps the
    module's own ``nn.Parameter`` objects. Names, shapes and ``requires_grad`` stay the user's.
 5. **Values.** An eager model's values are broadcast from rank 0 first; a model with tensors on
@@ -29,11 +29,11 @@ import torch
 from torch import nn
 
 from minishard import comm
-from minishard.dtensors import Spec, mesh_of
-from minishard.deferred_init import DeferredInit, default_device, has_meta_tensors, materialize
-from minishard.flat import FlatBuffer, FlatMode
-from minishard.meters import WrapMeter, storage_bytes
-from minishard.unit import Place, Unit, is_inside
+from minishard.zero.params import Spec, mesh_of
+from minishard.zero.deferred_init import DeferredInit, default_device, has_meta_tensors, materialize
+from minishard.zero.flat import FlatBuffer, FlatMode
+from minishard.zero.meters import WrapMeter, storage_bytes
+from minishard.zero.unit import Place, Unit, is_inside
 
 __all__ = ["unit_predicate", "replicated_predicate", "build_units", "sync_initial_state"]
 

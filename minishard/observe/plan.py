@@ -8,7 +8,7 @@ command-line estimator.
         --mixed-precision
 
 prints, for stages 0-3, the model-state bytes one rank holds (parameters, gradients, optimizer
-state; the formulas are ``minishard.memory.zero_bytes``), the activations of a transformer of the
+state; the formulas are ``minishard.observe.memory.zero_bytes``), the activations of a transformer of the
 given shape, what is left, which stages fit in ``--memory`` minus a stated headroom, and a
 recommendation: the LOWEST stage that fits, because each stage up saves memory by communicating
 more (stage 3: 1.5x the bytes of stages 0-2) or at least more often.
@@ -23,7 +23,7 @@ Assumptions:
     Transformer Models", arXiv:2205.05198): sbh(34 + 5as/h) bytes per layer with 16-bit
     activations (s sequence, b micro-batch, h hidden, a heads), 2sbh per layer with full
     activation checkpointing plus one layer recomputed at a time
-    (``minishard.memory.activation_bytes``); without --mixed-precision the activations are fp32,
+    (``minishard.observe.memory.activation_bytes``); without --mixed-precision the activations are fp32,
     sbh(66 + 9as/h) (the same itemisation at 4 bytes, masks 1 byte: our rescaling, not the
     paper's number). Only counted when the shape is given; otherwise the
     "left" column is what remains for them, and the recommendation says how much that is.
@@ -37,7 +37,7 @@ stages 1-3 over all N ranks and hybrid stages 1-3 (sharded over the S ranks of a
 replicated across nodes: minishard's ``mesh=``; FSDP1 HYBRID_SHARD at stage 3 and
 _HYBRID_SHARD_ZERO2 at stage 2, FSDP2 on a 2-D mesh, DeepSpeed MiCS at stage 3; not ZeRO++ hpZ,
 which keeps optimizer state and gradients sharded over all N ranks) side by side, with memory
-per rank and bytes per rank per step (``minishard.memory.step_bytes``) inside a node and
+per rank and bytes per rank per step (``minishard.observe.memory.step_bytes``) inside a node and
 across nodes, b = 4 bytes per element (2 with --mixed-precision):
 
     DDP (stage 0)       2Ψb(N-1)/N      all of it crosses nodes when R > 1
@@ -67,8 +67,8 @@ import math
 import re
 import textwrap
 
-from minishard.memory import (OPTIMIZER_BYTES, activation_bytes, hybrid_step_bytes, step_bytes,
-                              zero_bytes)
+from minishard.observe.memory import (OPTIMIZER_BYTES, activation_bytes, hybrid_step_bytes,
+                                      step_bytes, zero_bytes)
 
 __all__ = ["parse_bytes", "parse_count", "parse_headroom", "fmt_decimal", "estimate",
            "min_ranks", "choices", "report", "main"]

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from minishard import comm, config
-from minishard.flat import FlatBuffer, FlatMode, collective_key, reduce_grads
+from minishard import comm
+from minishard.zero import config
+from minishard.zero.flat import FlatBuffer, FlatMode, collective_key, reduce_grads
 
 __all__ = ["Reducer", "clip_grad_norm", "MAX_REDUCTIONS_IN_FLIGHT"]
 

@@ -57,12 +57,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from minishard import comm
-from minishard.checkpoint_files import DCP_METADATA as METADATA
-from minishard.checkpoint_files import (DCP_DIGESTS, CheckpointError, SafeDCPReader,
-                                        EXTRA, atomic_save, check_dcp, check_dcp_digests,
-                                        dcp_data_files, file_sha256, saved_piece)
-from minishard.full_state import (buffer_state, group_param_names, hyperparameters, named_params,
-                                  split_state, torch_optimizer_state)
+from minishard.checkpoint.files import DCP_METADATA as METADATA
+from minishard.checkpoint.files import (DCP_DIGESTS, CheckpointError, SafeDCPReader, EXTRA,
+                                        atomic_save, check_dcp, check_dcp_digests, dcp_data_files,
+                                        file_sha256, saved_piece)
+from minishard.checkpoint.full_state import (buffer_state, group_param_names, hyperparameters,
+                                             named_params, split_state, torch_optimizer_state)
 from minishard.verdicts import raise_together
 
 __all__ = ["is_dcp_checkpoint", "init_optimizer_state", "save_dcp", "read_dcp"]

@@ -29,7 +29,7 @@ wait. Times: each rank's ``perf_counter``, placed on the wall clock at entry (ra
 hosts line up as well as their clocks do). With the ``plot`` extra, :func:`draw` makes a PNG
 timeline of the same file, for a terminal without a browser::
 
-    python -m minishard.trace step.json step.png
+    python -m minishard.observe.trace step.json step.png
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from minishard import comm, dtensors
+from minishard import comm
+from minishard.zero import params as dtensors
 
 __all__ = ["Traced", "Trace", "draw", "TRACKS"]
 
@@ -57,7 +58,7 @@ class Traced:
 
     def trace(self, path: str) -> "Trace":
         """A context manager: a Chrome trace of what every rank does inside the block, written
-        by rank 0 to ``path`` on leaving (minishard/trace.py says what it shows). Every rank of
+        by rank 0 to ``path`` on leaving (minishard/observe/trace.py says what it shows). Every rank of
         the engine must enter and leave it; after an exception nothing is written."""
         return Trace(self, path)
 
@@ -284,7 +285,7 @@ def draw(trace, png: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise ImportError("minishard.trace.draw needs matplotlib: pip install "
+        raise ImportError("minishard.observe.trace.draw needs matplotlib: pip install "
                           "'minishard[plot]'") from exc
     if not isinstance(trace, dict):
         with open(trace) as f:
@@ -322,7 +323,7 @@ def draw(trace, png: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m minishard.trace TRACE.json OUT.png")
+        sys.exit("usage: python -m minishard.observe.trace TRACE.json OUT.png")
     try:
         draw(sys.argv[1], sys.argv[2])
     except ImportError as exc:

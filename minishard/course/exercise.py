@@ -48,11 +48,11 @@ from typing import Callable
 
 import torch
 
-from minishard.exercise_oracles import EXERCISES, Exercise, show
+from minishard.course.oracles import EXERCISES, Exercise, show
 
 __all__ = ["EXERCISES", "Failure", "check", "main"]
 
-STUBS = Path(__file__).resolve().parents[1] / "tutorials" / "exercises"
+STUBS = Path(__file__).resolve().parents[2] / "tutorials" / "exercises"
 WORLDS = (2, 3, 4)
 EXAMPLES = 30  # per world size; small ones first
 

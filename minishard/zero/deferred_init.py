@@ -20,7 +20,7 @@ full tensor and frees it at once, untouched: also within that bound.) ``WrapMete
 it all; tests/test_deferred_init.py checks the count exactly. What is really ALLOCATED adds
 up to two modules before, whose broadcasts gloo's worker threads may still hold (comm.
 FINISHED_KEPT_BY_BACKEND): the shards + 3 units, tests/test_memory_wall.py; and each module's
-freed pages go back to the operating system at once (allocations.release_free_pages).
+freed pages go back to the operating system at once (release_free_pages, below).
 
 **Why module by module, in modules() order.** Building under ``torch.device("meta")``
 consumes no random numbers, and ``modules()`` visits submodules in registration order, so
@@ -51,6 +51,8 @@ module and the tensor, on every rank, at wrap time: never uninitialised memory.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 from typing import Callable
 
@@ -59,8 +61,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minishard import comm
-from minishard.allocations import release_free_pages
-from minishard.meters import WrapMeter, storage_bytes
+from minishard.zero.meters import WrapMeter, storage_bytes
 from minishard.verdicts import rank0_verdict
 
 __all__ = ["DeferredInit", "default_device", "has_meta_tensors", "materialize"]
@@ -255,3 +256,29 @@ def _unwritten(name, module, own, targets, values, before, deferred) -> str | No
             "the module's reset_parameters(), pass ZeRO(..., param_init_fn=fn) where fn(module) "
             "writes the module's own tensors, or build that module on a real device.")
 
+
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
+        return None
+
+
+_malloc_trim = _libc_malloc_trim()
+
+
+def release_free_pages() -> None:
+    """Hand the pages of freed tensors back to the operating system now, where the C library
+    keeps them (glibc; elsewhere a no-op). Called after each module of a meta wrap, whose
+    promise is a flat peak: its full tensors are freed, their pages must go too.
+
+    Why it is needed: glibc serves a large request with its own mapping, returned to the OS on
+    free, but each such free raises the size it maps from then on (up to 32 MiB); later buffers
+    of a unit's size come from the heap, where a freed one is kept and reused only if the next
+    request still fits the hole. Interleaved with small allocations, the holes do not fit, and
+    the resident set grows with the number of modules although the live tensors do not
+    (bench/RESULTS.md, "The memory wall"). ``malloc_trim(0)`` returns every free page at once:
+    ~20 us when there is nothing to return. (A phase that can reuse one buffer needs none of
+    this: full_state.Staging.)"""
+    if _malloc_trim is not None:
+        _malloc_trim(0)

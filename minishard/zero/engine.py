@@ -40,14 +40,13 @@ Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
     re-gather             stages 1-2: every buffer, at the      _pre_forward (root):
                           next forward                          Gatherer.refresh_stale
 
-A unit that got no gradient keeps ``grad=None``, as in one process (find_unused_parameters: a
-unit only SOME ranks used is reduced with zeros from the others, in an order every rank shares:
+A unit that got no gradient keeps ``grad=None``, as in one process (find_unused_parameters:
 reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
 identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
 Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
 Parameters kept whole (``replicate=``, ``persist_below=``) live in stage 0's buffers inside
 their unit: never gathered nor freed, their gradients all-reduced in a bucket of their own.
-Uneven inputs (torch's ``Join``): a rank out of batches runs this schedule on an empty batch.
+Uneven inputs (torch's ``Join``, join.py): a rank out of batches runs it on an empty batch.
 
 Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
 stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
@@ -55,9 +54,7 @@ stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the 
 Ψ_r replicated parameters move 2Ψ_r (an all-reduce) at any stage instead.
 Hybrid sharding (``mesh=``, R replicas of S-rank shard groups) runs all of that inside the shard
 group (N = S) and adds one all-reduce of each gradient shard across the replicas: 2(Ψ/S)(R-1)/R.
-
-Read next: unit.py (a unit's work), gathers.py and reductions.py (when the collectives run),
-flat.py (the bytes), comm.py (the collectives); README's map has the rest.
+Read next: unit.py, gathers.py and reductions.py, flat.py, then comm.py (the collectives).
 """
 from __future__ import annotations
 
@@ -70,17 +67,20 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from minishard import comm, full_state, guards, trace
-from minishard.build import build_units, replicated_predicate
-from minishard.config import (MixedPrecision, cast_buffers, cast_inputs, check_arguments,
-                              check_same_config, param_group_index, resolve_groups,
-                              shard_param_groups)
-from minishard.flat import FlatMode
-from minishard.gathers import Gatherer, Pass
+from minishard import comm
+from minishard.checkpoint import full_state
 from minishard.join import JoinState, ZeROJoinHook, announce
-from minishard.meters import Meters, WrapMeter, memory_report, step_transients
-from minishard.reductions import Reducer, clip_grad_norm
-from minishard.unit import Unit
+from minishard.observe import trace
+from minishard.zero import guards
+from minishard.zero.build import build_units, replicated_predicate
+from minishard.zero.config import (MixedPrecision, cast_buffers, cast_inputs, check_arguments,
+                                   check_same_config, param_group_index, resolve_groups,
+                                   shard_param_groups)
+from minishard.zero.flat import FlatMode
+from minishard.zero.gathers import Gatherer, Pass
+from minishard.zero.meters import Meters, WrapMeter, memory_report, step_transients
+from minishard.zero.reductions import Reducer, clip_grad_norm
+from minishard.zero.unit import Unit
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 
