@@ -22,12 +22,9 @@ and once more ``gc.collect()`` from ``atexit``, which runs before the interprete
 itself down: what the script's ``main()`` still held when the block ended is unreachable by then.
 
 Why all this: torch 2.13 with gloo now and then aborts a rank at interpreter exit, after the
-script has finished and printed its result ("terminate called without an active exception",
-torchrun then reports the run FAILED). It happens when C++ objects that hold tensors (gloo work,
-autograd nodes) are destroyed during interpreter finalization, racing the teardown of the GIL;
-see https://github.com/pytorch/pytorch/issues/190489. A plain torch DDP script does it too. The
-cure is to let nothing of the kind survive to finalization: the steps above. (On an exception we
-do none of them: another rank may be stuck in a collective; torchrun stops every rank anyway.)
+script has printed its result, when C++ objects that hold tensors are destroyed during
+finalization (pytorch#190489); the cure is to let nothing of the kind survive to it. The whole
+story, and why an exception skips these steps: tutorials/08_launching.md, section 7.
 
 Run outside torchrun, a script gets one line saying how to start it (exit status 2).
 """

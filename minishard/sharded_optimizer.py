@@ -15,38 +15,18 @@ sharded. Picture, 2 ranks, parameters a (big), b, c, d (small)::
     step        rank 0 updates a, rank 1 updates b, c, d           (each with its own full grads)
     then        broadcast(rank 0's [a], src=0)    broadcast(flat [b|c|d], src=1)
 
-**The partition: whole parameters, balanced by size**, exactly as torch's
-``ZeroRedundancyOptimizer`` does it (per param group, largest first, each to the rank holding the
-fewest elements so far). Why whole parameters rather than stage 1's equal flat slices: a parameter
-stays a parameter, with its name, shape and dtype, so the inner optimizer can be ANY torch
-optimizer (one that looks at a whole tensor, such as Adafactor's factored moments or LAMB's
-per-tensor trust ratio, sees the tensor it expects), its state dict is torch's own, and nothing is
-flattened or padded. The cost: balance is only as fine as the largest parameter. Greedy
-assignment guarantees every rank at most Ψ/N + the largest parameter's elements (a rank receives
-a parameter only while it holds the fewest, at most the average); one embedding matrix bigger than
-Ψ/N leaves the rank that owns it holding more than its share (tutorial 04 measures it).
+The choices, each explained in a Note beside its code:
 
-**The update's way back: one broadcast per owner**, not one per parameter as torch's default
-(``parameters_as_bucket_view=False``) sends. Each owner's trainable parameters of one dtype and
-device are packed into buckets of at most ``BUCKET_BYTES`` (a parameter bigger than that goes
-alone, in place, without a copy), at most two buckets in flight, so many tiny parameters (biases,
-norms) cost a few collectives instead of hundreds. Bytes sent per rank per step, in the ledger's
-ring model: (N-1)/N x the trainable parameters' bytes (one pass), whatever the bucketing. Beside
-DDP's all-reduce (two passes) that is three, where ``ZeRO(module, stage=1)`` sends two
-(reduce-scatter, all-gather). Frozen parameters (``requires_grad=False``) are partitioned like
-the others (as torch does: they count toward the balance) but never stepped nor sent; a parameter
-whose grad is None is left alone by the inner optimizer, as by a plain one.
-
-Checks, before any collective of training: the optimizer class, the options it cannot honour
-(``overlap_with_ddp=True``), sparse or DTensor parameters, a parameter twice in a group. Then, at
-construction and in ``add_param_group``, ONE all-reduce compares every parameter's shape, dtype,
-``requires_grad`` and bits across the ranks: parameters that differ (shards of ZeRO stages 1-3
-or FSDP, or a model each rank initialised with its own seed) would be overwritten with another
-rank's values, so every rank refuses them together, naming the first one.
-
-**Uneven inputs** (ranks with different numbers of batches): ``with Join([ddp, opt],
-model=ddp):``. A rank that has run out still owns parameters; each step under Join first sends
-it their averaged gradient (join.py, ``ShardedJoinHook``), then every rank steps what it owns.
+* **the partition**: whole parameters, balanced by size, exactly as torch's, so the inner
+  optimizer can be ANY torch optimizer and its state dict is torch's own; the cost: balance only
+  as fine as the largest parameter ([Note: the partition]);
+* **the way back**: one broadcast per owner, in buckets of at most ``BUCKET_BYTES``, not one per
+  parameter: (N-1)/N x the trainable bytes per rank per step, three passes with DDP's all-reduce
+  where ``ZeRO(module, stage=1)`` sends two ([Note: one broadcast per owner]);
+* **checks**: local ones before any collective of training, then ONE all-reduce comparing every
+  parameter across the ranks, which refuse differing ones together ([Note: the ranks must agree]);
+* **uneven inputs**: ``with Join([ddp, opt], model=ddp):``; a rank that has run out still owns
+  parameters, and each step first sends it their averaged gradient (join.py, ``ShardedJoinHook``).
 """
 from __future__ import annotations
 
@@ -66,11 +46,33 @@ from minishard.verdicts import ranks_range
 
 __all__ = ["ShardedOptimizer", "BUCKET_BYTES", "assign_owners"]
 
+# [Note: one broadcast per owner] The update's way back is one broadcast per owner, not one per
+# parameter as torch's default (``parameters_as_bucket_view=False``) sends. Each owner's
+# trainable parameters of one dtype and device are packed into buckets of at most
+# ``BUCKET_BYTES`` (a parameter bigger than that goes alone, in place, without a copy), at most
+# two buckets in flight, so many tiny parameters (biases, norms) cost a few collectives instead
+# of hundreds. Bytes sent per rank per step, in the ledger's ring model: (N-1)/N x the trainable
+# parameters' bytes (one pass), whatever the bucketing. Beside DDP's all-reduce (two passes)
+# that is three, where ``ZeRO(module, stage=1)`` sends two (reduce-scatter, all-gather). Frozen
+# parameters (``requires_grad=False``) are partitioned like the others (as torch does: they
+# count toward the balance) but never stepped nor sent; a parameter whose grad is None is left
+# alone by the inner optimizer, as by a plain one.
 BUCKET_BYTES = 4 * 2**20  # as the engine's buckets: a few collectives per step, bounded memory
 _IN_FLIGHT = 2            # broadcasts outstanding at once (each holds one bucket's copy)
 _NOT_OPTIONS = ("params", "param_names")  # what _copy_options never copies between groups
 
 
+# [Note: the partition] Whole parameters, balanced by size, exactly as torch's
+# ``ZeroRedundancyOptimizer`` does it (per param group, largest first, each to the rank holding
+# the fewest elements so far). Why whole parameters rather than stage 1's equal flat slices: a
+# parameter stays a parameter, with its name, shape and dtype, so the inner optimizer can be ANY
+# torch optimizer (one that looks at a whole tensor, such as Adafactor's factored moments or
+# LAMB's per-tensor trust ratio, sees the tensor it expects), its state dict is torch's own, and
+# nothing is flattened or padded. The cost: balance is only as fine as the largest parameter.
+# Greedy assignment guarantees every rank at most Ψ/N + the largest parameter's elements (a rank
+# receives a parameter only while it holds the fewest, at most the average); one embedding
+# matrix bigger than Ψ/N leaves the rank that owns it holding more than its share (tutorial 04
+# measures it).
 def assign_owners(params: list[torch.Tensor], loads: list[int]) -> list[int]:
     """Owner rank of each of ``params`` (one param group), torch's greedy rule: largest first
     (ties in the given order), each to the rank with the fewest elements so far (the lowest rank
@@ -389,6 +391,14 @@ def _broadcast_bucket(bucket: list[torch.Tensor], owner: int, rank: int, group, 
 
 
 # ---------------------------------------------------------------- the ranks must agree
+# [Note: the ranks must agree] Checks, before any collective of training: the optimizer class,
+# the options it cannot honour (``overlap_with_ddp=True``), sparse or DTensor parameters, a
+# parameter twice in a group. Then, at construction and in ``add_param_group``, ONE all-reduce
+# compares every parameter's shape, dtype, ``requires_grad`` and bits across the ranks:
+# parameters that differ (shards of ZeRO stages 1-3 or FSDP, or a model each rank initialised
+# with its own seed) would be overwritten with another rank's values, so every rank refuses them
+# together, naming the first one.
+#
 # each element's bits as integers small enough that their int64 sum cannot overflow (8-byte
 # elements as two int32s), by element size
 _INT_VIEW = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}

@@ -1,127 +1,33 @@
 r"""SyncBatchNorm: BatchNorm whose statistics cover the batch of every rank in a process group.
 
-With a small batch per rank, plain BatchNorm normalises each rank's few samples by their own mean
-and variance: noisy statistics, and a model that behaves differently from one trained on the
-whole batch. SyncBatchNorm normalises with the statistics of the GLOBAL batch (all ranks together),
-so N ranks with batch b compute exactly what one process computes on a batch of N*b.
+It normalises with the statistics of the GLOBAL batch, so N ranks with batch b compute exactly
+what one process computes on a batch of N*b. Per layer of C channels, x this rank's (N_r, C, *)
+input, n the global count of values per channel, Σ over all ranks and all dims but C::
 
-Notation: x is this rank's input (N_r, C, *), n the GLOBAL number of values per channel (sum over
-ranks of N_r times the spatial size), every sum Σ runs over all ranks and all dims but C.
+    forward   x0 = this rank's mean, t = x - x0: of the spread's size, its sums cancel nothing
+              n_r, m_r, M2_r: this rank's count, mean and Σ(x - m_r)², from t
+              [n_r·m_r, M2_r + n_r·m_r², n_r]  --all_reduce(SUM), float64-->  [S, Q, n]
+              mean = S/n   M2 = Q - S·mean   var = M2/n   invstd = 1/sqrt(var + eps)
+              pass 2 if (3N+5)·u·Q > u_in·M2 in ANY channel (u, u_in: the rounding units of
+              float64 and of t's dtype), i.e. Q - S·mean may have cancelled (float64 inputs
+              always, float32 and half ones when |mean|/std > ~5e3):
+              [n_r·d_r, M2_r + n_r·d_r²], d_r = m_r - mean  --all_reduce(SUM)-->  [D, E]
+              mean += D/n   M2 = E - D²/n
+              y = (x - mean)·invstd·w + b, computed as t·scale + (b - c0·scale), c0 = mean - x0
+    backward  [Σdy, Σdy·x̂]  --all_reduce(SUM), float64-->  [A, B]
+              dx = w·invstd·(dy - A/n - x̂·B/n);   dw = Σdy·x̂, db = Σdy stay LOCAL (DDP averages)
 
-Forward: one all_reduce of 2C+1 numbers (two when the sums cancel)
------------------------------------------------------------------
-Each rank first computes its LOCAL statistics per channel with a stable method, in float32 for
-float16/bfloat16/float32 inputs, in float64 for float64 ones (the "compute dtype", rounding unit
-u_in): the shifted-data method. x0 = its mean rounded to the compute dtype, t = x - x0. When the
-mean dwarfs the spread, x - x0 is exact (Sterbenz) and of the size of the spread; mean(t) is x0's
-rounding error, far below the spread, so Σt² - n_r·mean(t)² cancels nothing, and x0 + mean(t)
-keeps the digits the rounded mean x0 lost:
+Each collective is O(C) numbers whatever the world size (stock torch.nn.SyncBatchNorm
+all-gathers O(C·N)), sent with comm's ``algorithm="auto"``: a few KiB go by the fewest messages
+(recursive doubling or a direct exchange), not by the ring.
 
-    n_r = values per channel on rank r,   m_r = x0 + mean(t)  (float64),   M2_r = Σt² - n_r·mean(t)²
-
-Sums can be added across ranks; means and variances cannot (not with unequal batch sizes). The
-textbook combination (Chan, Golub & LeVeque) of two groups a, b is exact::
-
-    n = n_a + n_b    mean = (n_a m_a + n_b m_b)/n    M2 = M2_a + M2_b + n_a n_b/n·(m_a - m_b)²
-
-and for N groups, with every rank's term written as a SUM so one all_reduce adds them::
-
-    local [n_r·m_r,  M2_r + n_r·m_r²,  n_r]  --all_reduce(SUM)-->  global [S, Q, n]     (float64)
-    mean = S/n        M2 = Q - S·mean  (= Σ M2_r + Σ n_r (m_r - mean)²)
-    var  = M2/n       invstd = 1/sqrt(var + eps)
-    y    = (x - mean)·invstd·w + b                      (w, b: weight and bias, per channel)
-    running_mean <- (1-m)·running_mean + m·mean
-    running_var  <- (1-m)·running_var  + m·var·n/(n-1)  (the unbiased variance, as stock does)
-
-Stock torch.nn.SyncBatchNorm all-gathers each rank's (mean, invstd, count) instead: O(C·N) bytes
-where we send O(C), whatever the world size.
-
-When the sums cancel: a second all_reduce, shifted by the now-known mean
---------------------------------------------------------------------------
-Q - S·mean subtracts two numbers of size n·mean² to get one of size n·var. With u = 2⁻⁵³ (float64
-rounding), every float64 operation above errs by a factor (1 + δ), |δ| <= u; to first order in u:
-
-    q_r = M2_r + n_r·m_r²        3 roundings of non-negative terms      |err| <= 3u·q_r
-    Q   = Σ q_r                  N-1 additions of non-negative terms    |err| <= (N+2)u·Q
-    S   = Σ n_r·m_r              1 product + N-1 additions              |err| <= N·u·Σ|n_r m_r|
-    S·mean = S²/n                2 roundings + twice S's error
-                                                    |err| <= 2u·S²/n + 2N·u·Σ|n_r m_r|·|S|/n
-    Q - S·mean                   1 rounding                             |err| <= u·Q
-
-By Cauchy-Schwarz (Σ n_r|m_r|)² <= n·Σ n_r m_r² <= n·Q, so S²/n <= Q and Σ|n_r m_r|·|S|/n <= Q:
-
-    |fl(M2) - M2| <= (3N + 5)·u·Q
-
-Every rank holds the same all-reduced S, Q, n, so every rank evaluates the same test and takes the
-same branch (no rank can be left waiting in a collective the others skip)::
-
-    (3N + 5)·u·Q  <=  u_in·M2   ->  done: the float64 rounding is below one rounding unit u_in
-                                   of the local statistics' dtype (2⁻²⁴ for float32: what the
-                                   local M2_r already carries); true unless |mean|/std > ~5e3
-    otherwise, in ANY channel  ->  every rank sends its statistics shifted by the pass-1 mean:
-
-    local [n_r·d_r,  M2_r + n_r·d_r²]  with d_r = m_r - mean  --all_reduce(SUM)-->  [D, E]
-    mean' = mean + D/n        M2 = E - D²/n
-    (exact: Σ n_r (m_r - mean')² = Σ n_r d_r² - D²/n)
-
-Now every term is non-negative and of the size of the spread, not of the mean: |err| <= (N+5)·u·M2
-(D/n is pass 1's rounding of the mean, so D²/n is negligible). A float64 input is its own
-compute dtype, u_in = u, and the test can never pass ((3N+5)·Q > M2): float64 inputs always pass
-twice. Float32 and half-precision inputs pass once unless |mean|/std exceeds about 5e3-8e3.
-What is left is the error of the local statistics themselves, that of a single process.
-
-Elementwise work runs in the compute dtype, on t: y = t·scale + (b - c0·scale), c0 = mean - x0,
-with the per-channel constants formed in float64 and rounded once, so the mean is never rounded to
-the compute dtype (let alone to a half-precision input's) before it is subtracted. Nor to float64:
-after the second pass c0 = (mean - x0) + D/n, not (mean + D/n) - x0, which would round a number
-of the mean's size and cost u·|mean| (a float64 input with mean 1e6: 1e-10, ten times torch's own
-error). The output is in the input's dtype. The forward makes ONE tensor of the input's size (t,
-in which y is built; for half inputs its float32 copy plus the output): no float64 tensor of the
-input's size, only O(C) float64 values.
-
-Backward: one all_reduce of 2C numbers
---------------------------------------
-Write x̂ = (x - mean)·invstd and g = dL/dx̂ = w·dy. Every x̂_j depends on every x_i in the global
-batch through mean and invstd. With dmean/dx_i = 1/n and, for σ = 1/invstd = sqrt(var + eps),
-dσ/dx_i = x̂_i/n (differentiate var = (1/n)Σ(x_j - mean)²; the Σ(x_j - mean) = 0 term drops out)::
-
-    dx̂_j/dx_i = invstd·(δ_ij - 1/n - x̂_i·x̂_j/n)
-
-    dL/dx_i = Σ_j g_j·dx̂_j/dx_i = invstd·(g_i - Σ_j g_j/n - x̂_i·Σ_j g_j·x̂_j/n)
-            = w·invstd·(dy_i - A/n - x̂_i·B/n),      A = Σ dy,  B = Σ dy·x̂  (global sums)
-
-So each rank needs only two per-channel global sums: local [Σdy, Σdy·x̂] --all_reduce(SUM)-->
-[A, B], with Σdy·x̂ = (Σdy·t - (mean - x0)·Σdy)·invstd: the elementwise sums in float32 or
-better (dy·(x - mean) is not normalised: in float16 it would overflow) and sent in float64.
-The parameter gradients dL/dw = Σ dy·x̂ and dL/db = Σ dy stay LOCAL sums over this rank's
-samples, exactly as stock: DDP (or the ZeRO engine) averages parameter gradients across ranks
-afterwards, and summing them here too would count them twice.
-
-Latency: every collective here is a few KiB, so comm picks its algorithm by the alpha-beta model
-(``algorithm="auto"``): on gloo the one with the fewest messages, recursive doubling (log2 N) when
-N is a power of two, else a direct exchange (N-1), instead of the ring's 2(N-1). Both give every
-rank the same bits.
-
-Rules every rank relies on
---------------------------
-* Every rank in the group calls the forward and (if the input needs a gradient) the backward
-  collective, in the same order. A rank with ZERO samples needs no special case: its sums are
-  zeros, it joins both collectives, and returns an empty output and zero parameter gradients.
-* The input checks (dims, channel count, dtype, group membership) are local and run BEFORE any
-  collective. If all ranks get the same bad input they all raise. If only one rank does, the others
-  wait in the collective until the process group times out: that is a bug in the caller's code.
-* Only a GLOBAL count of one value per channel is an error (its variance is undefined). That count
-  is known only after the all_reduce, and every rank sees the same one, so all ranks raise it
-  together. Reading it costs one device-to-host copy per layer (stock syncs there too).
-* Every rank's input has the same dtype: it sets u_in, so it decides whether there is a second
-  pass (ranks with different dtypes would pair different collectives).
-* Every layer has a name all ranks agree on, in the ledger and in debug mode's fingerprints: its
-  path in the model (``convert_sync_batchnorm`` and ``name_sync_batchnorms`` set it), else
-  ``#k``, the k-th SyncBatchNorm built in this process (the same on every rank as long as every
-  rank builds the same layers in the same order). So a rank that runs layer #0 while another runs layer #1 of the same shape is
-  a CollectiveMismatch in debug mode, not statistics silently paired across layers.
-* In eval mode there is no communication at all: the running statistics normalise (or, with
-  track_running_stats=False, each rank's own batch statistics, exactly as stock).
+Every rank relies on ([Note: rules every rank relies on]): each rank calls each collective in the
+same order, an empty rank too (with zeros); input checks are local and run before any collective;
+a global count of one value per channel raises on every rank together; every rank's input has the
+same dtype; each layer's name (its path, else ``#k``) is the same on every rank; eval mode sends
+nothing. The elementwise work and its precision: [Note: elementwise work]. Why these formulas
+(Chan et al.'s exact combination, the error bound that decides the second pass, the backward's
+derivation): the end of tutorials/03_sync_batchnorm.py.
 """
 from __future__ import annotations
 
@@ -243,6 +149,15 @@ def _global_stats(t: torch.Tensor, x0: torch.Tensor, group, tag: str, suffix: st
     return n, mean, M2, c0
 
 
+# [Note: elementwise work] Elementwise work runs in the compute dtype (float32 for half inputs,
+# else the input's: its rounding unit is u_in), on t: y = t·scale + (b - c0·scale),
+# c0 = mean - x0, with the per-channel constants formed in float64 and rounded once, so the mean
+# is never rounded to the compute dtype (let alone to a half-precision input's) before it is
+# subtracted. Nor to float64: after the second pass c0 = (mean - x0) + D/n, not
+# (mean + D/n) - x0, which would round a number of the mean's size and cost u·|mean| (a float64
+# input with mean 1e6: 1e-10, ten times torch's own error). The output is in the input's dtype.
+# The forward makes ONE tensor of the input's size (t, in which y is built; for half inputs its
+# float32 copy plus the output): no float64 tensor of the input's size, only O(C) float64 values.
 class SyncBatchNormFunction(torch.autograd.Function):
     """The math of the module doc: one all_reduce in forward (two when the sums cancel) and one in
     backward. ``tag`` and ``suffix`` name the layer in the ledger and in debug fingerprints:
@@ -322,6 +237,28 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
 
 _BUILT = itertools.count()  # SyncBatchNorm layers built in this process: the default names
+
+# [Note: rules every rank relies on]
+# * Every rank in the group calls the forward and (if the input needs a gradient) the backward
+#   collective, in the same order. A rank with ZERO samples needs no special case: its sums are
+#   zeros, it joins both collectives, and returns an empty output and zero parameter gradients.
+# * The input checks (dims, channel count, dtype, group membership) are local and run BEFORE any
+#   collective. If all ranks get the same bad input they all raise. If only one rank does, the
+#   others wait in the collective until the process group times out: that is a bug in the
+#   caller's code.
+# * Only a GLOBAL count of one value per channel is an error (its variance is undefined). That
+#   count is known only after the all_reduce, and every rank sees the same one, so all ranks
+#   raise it together. Reading it costs one device-to-host copy per layer (stock syncs there too).
+# * Every rank's input has the same dtype: it sets u_in, so it decides whether there is a second
+#   pass (ranks with different dtypes would pair different collectives).
+# * Every layer has a name all ranks agree on, in the ledger and in debug mode's fingerprints:
+#   its path in the model (``convert_sync_batchnorm`` and ``name_sync_batchnorms`` set it), else
+#   ``#k``, the k-th SyncBatchNorm built in this process (the same on every rank as long as every
+#   rank builds the same layers in the same order). So a rank that runs layer #0 while another
+#   runs layer #1 of the same shape is a CollectiveMismatch in debug mode, not statistics silently
+#   paired across layers.
+# * In eval mode there is no communication at all: the running statistics normalise (or, with
+#   track_running_stats=False, each rank's own batch statistics, exactly as stock).
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -221,7 +221,8 @@ def main(rank: int, world: int) -> None:
         f"{float(entry.bytes_sent):g} bytes (the ledger records what it ran; asserted).")
     if world > 2:  # at 2 ranks the exchange sends S once, like the ring: it always wins
         # Against the fewest-messages algorithm the ring saves bytes: it wins above the size
-        # where its extra messages cost less than the bytes it saves.
+        # where its extra messages cost less than the bytes it saves. (At N = 4, against
+        # doubling: 4 messages more, S/2 bytes fewer, so S* = 8 ALPHA/BETA.)
         extra, copies = messages["ring"] - messages[fewest], messages[fewest]
         crossover = extra * alpha / ((copies - 2 * (world - 1) / world) * beta)
         big = torch.ones(int(2 * crossover) // 4 + 1)      # twice the crossover: the ring wins

@@ -13,29 +13,15 @@ size and stage.
                "param_groups": [{"lr": 0.01, ..., "params": ["lin.weight", ...]}, ...]}}
 
 **The rows.** Each DTensor is a parameter (or state shaped like it) cut on dim 0, ``Shard(0)``
-over the shard group: rank r's local tensor is rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N) --
-the rows it holds at stages 1-3 (flat.py), and the rows FSDP2's ``Shard(0)`` holds. So every
-rank writes only its own rows (stage 0 too: it cuts them out of its full parameters) and no
-rank ever holds the whole model. DCP records each chunk's offset in ``.metadata``; a load asks
-for this rank's rows (a DTensor again, or a whole tensor at stage 0) and DCP reads whatever
-chunks overlap them: the interval arithmetic state.py does by hand for its own files.
-Scalars (Adam's ``step``, a 0-dim parameter), buffers and hyperparameters are the same on every
-rank: DCP writes them once, from the lowest rank, which always holds row 0. As torch's
-``get_optimizer_state_dict`` does, an optimizer that never stepped is first given its state by
-a step with zero gradients and lr 0 (Adam's ``step`` becomes 1): FSDP2 loads nothing less.
+over the shard group: rank r holds rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N), as at stages
+1-3 (flat.py) and as FSDP2. Every rank writes only its own rows, and a load asks for this rank's
+rows: DCP reads whatever chunks overlap them, the interval arithmetic state.py does by hand
+([Note: the rows]). **Settings** (lr, betas, ...) are matched by parameter name, as torch's
+``set_optimizer_state_dict`` matches them ([Note: settings]).
 
-**Settings** (lr, betas, a scheduler's ``initial_lr``) are matched by parameter name, as torch's
-``set_optimizer_state_dict`` matches them: the groups may come in another order or be flattened
-per parameter; the parameters of one group must have been saved with the same settings, and a
-group saved without a setting this optimizer has was saved by another kind of optimizer.
-
-**Trust.** DCP itself unpickles ``.metadata`` and the hyperparameters with plain pickle; here
-``.metadata`` is read with an allow-list (checkpoint_files.py) and the hyperparameters
-``weights_only`` (:class:`_SafeLoadPlanner`), so, as with minishard's own files, loading a
-checkpoint never runs code from it. DCP records sizes, not checksums: a save writes the sha256
-of every data file beside it (``minishard-sha256.pt``, each rank hashing a share), and a load
-checks them first, the ranks dividing the reading; a directory without it (FSDP2's,
-torchtitan's) is checked for sizes only.
+**Trust.** Loading a checkpoint never runs code from it (``.metadata`` read with an allow-list,
+the hyperparameters ``weights_only``), and a save writes the sha256 of every data file beside it
+(``minishard-sha256.pt``), checked first by a load ([Note: trust]).
 
 DTensor appears only here, at the boundary: the engine stays on raw collectives. DCP runs its
 own collectives inside ``dcp.save`` / ``dcp.load`` (it gathers and scatters its plans as
@@ -82,6 +68,16 @@ def init_optimizer_state(optimizer) -> None:
 
 
 # --------------------------------------------------------------------------------- the rows
+# [Note: the rows] Each rank's local tensor is rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N) --
+# the rows it holds at stages 1-3 (flat.py), and the rows FSDP2's ``Shard(0)`` holds. So every
+# rank writes only its own rows (stage 0 too: it cuts them out of its full parameters) and no
+# rank ever holds the whole model. DCP records each chunk's offset in ``.metadata``; a load asks
+# for this rank's rows (a DTensor again, or a whole tensor at stage 0) and DCP reads whatever
+# chunks overlap them. Scalars (Adam's ``step``, a 0-dim parameter), buffers and
+# hyperparameters are the same on every rank: DCP writes them once, from the lowest rank, which
+# always holds row 0. As torch's ``get_optimizer_state_dict`` does, an optimizer that never
+# stepped is first given its state by a step with zero gradients and lr 0 (Adam's ``step``
+# becomes 1): FSDP2 loads nothing less.
 def _mesh(model) -> DeviceMesh:
     """The shard group as the 1-D DeviceMesh a DTensor needs (no new process group)."""
     group = model.group if model.group is not None else dist.group.WORLD
@@ -300,6 +296,11 @@ def _optim_targets(path: str, saved: dict, keys: _Keys, model, mesh) -> dict:
     return targets
 
 
+# [Note: settings] Settings (lr, betas, a scheduler's ``initial_lr``) are matched by parameter
+# name, as torch's ``set_optimizer_state_dict`` matches them: the groups may come in another
+# order or be flattened per parameter; the parameters of one group must have been saved with the
+# same settings, and a group saved without a setting this optimizer has was saved by another
+# kind of optimizer.
 def _saved_settings(targets: dict, keys: _Keys) -> dict[str, dict]:
     """Each parameter's saved optimizer settings (lr, betas, ...), by name, from either layout:
     ``param_groups.<i>.<key>`` with ``params`` naming the group's parameters (torch's), or
@@ -350,6 +351,13 @@ def _optimizer_state(path: str, targets: dict, keys: _Keys, model, optimizer):
 
 
 # ------------------------------------------------------------------------------ never run code
+# [Note: trust] DCP itself unpickles ``.metadata`` and the hyperparameters with plain pickle;
+# here ``.metadata`` is read with an allow-list (files.py) and the hyperparameters
+# ``weights_only`` (:class:`_SafeLoadPlanner`), so, as with minishard's own files, loading a
+# checkpoint never runs code from it. DCP records sizes, not checksums: a save writes the sha256
+# of every data file beside it (``minishard-sha256.pt``, each rank hashing a share), and a load
+# checks them first, the ranks dividing the reading; a directory without it (FSDP2's,
+# torchtitan's) is checked for sizes only.
 class _SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's load planner, with pickled values (hyperparameters) read ``weights_only``."""
 

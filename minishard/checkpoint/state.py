@@ -9,40 +9,24 @@ A checkpoint is a directory. Save each step into a fresh one (``checkpoint_path(
         meta.pt         written LAST, by rank 0, once every rank's file is in place
 
 **The rows.** Every parameter is cut the same way, whatever the stage: with N ranks and R rows
-(dim 0), rank r saves rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N) -- exactly the rows its
-parameter holds at stages 1-3 (flat.py). (Stage 0 holds whole parameters on every rank; rank r
-still saves only its rows, so the files never depend on the stage.) Optimizer state shaped like
-the parameter (Adam's ``exp_avg``, SGD's ``momentum_buffer``) is cut with the same rows; scalar
-state (``step``) is copied. Loading at M ranks is then interval arithmetic on rows::
+(dim 0), rank r saves rows [r*c, r*c + c) ∩ [0, R), c = ceil(R / N), the rows it holds at stages
+1-3 (flat.py), and its optimizer state alike ([Note: the rows]). Loading at M ranks is then
+interval arithmetic on rows::
 
     a parameter of 10 rows    saved by 4 ranks (c=3):  [0:3) [3:6) [6:9) [9:10)
                               loaded by 3 ranks (c=4): [0:4)   [4:8)   [8:10)
     new rank 1 needs rows [4:8): it opens the files of saved ranks 1 and 2 only, and
     concatenates old1[1:3] (= rows 4-5) and old2[0:2] (= rows 6-7)
 
-**Hybrid sharding** (a 2-D mesh): the replicas hold identical shards, so only the first replica
-writes, one file per rank of its shard group: the files of S ranks, loadable at any world size.
-
-**Atomic** (checkpoint_files.py). Every file is written to a temporary name in the same
-directory, flushed to disk and ``os.replace``-d into place, so a file is either absent or whole.
-``meta.pt`` comes last and records each rank file's byte size and sha256, so:
-
-    a checkpoint directory is COMPLETE  iff  meta.pt exists and lists files whose sizes
-    (and sha256) match.
-
-A crash at any moment of a save leaves a directory without meta.pt (incomplete, skipped by
-:func:`latest_checkpoint`, refused by :func:`load_checkpoint`), and the previous step's directory
-untouched. Every file is read back with ``torch.load(..., weights_only=True)``: loading a
-checkpoint never runs code from it.
-
-**Full export** (full_state.py). :func:`full_optimizer_state_dict` turns the sharded optimizer state into the
-state dict a plain ``torch.optim`` optimizer over the UNWRAPPED model would have, so
-``model.full_state_dict()`` plus it resume training in a single process.
+**Atomic** (files.py): every file goes to a temporary name, then ``os.replace`` puts it in place,
+and ``meta.pt``, last, records each rank file's byte size and sha256, so a checkpoint directory
+is COMPLETE iff meta.pt exists and lists files whose sizes (and sha256) match: a crash mid-save
+leaves one without it, which :func:`latest_checkpoint` skips. Files are read back
+``weights_only``: loading a checkpoint never runs code from it ([Note: atomic]).
 
 Every function here is collective (call it on every rank, in the same order) unless its docstring
-says otherwise. The training loop's own state (the step, the best loss, every rank's RNG state, an
-LR scheduler's ``state_dict()``) travels as ``save_checkpoint(..., extra={...})``: extra.pt, every
-rank's by rank, written before the marker, returned by :func:`load_checkpoint` to each rank.
+says otherwise. Hybrid sharding, the full export and the training loop's own state (``extra=``):
+[Note: what else a checkpoint holds].
 """
 from __future__ import annotations
 
@@ -71,6 +55,24 @@ __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_che
 
 
 # ------------------------------------------------------------------------------------- save
+# [Note: atomic] Every file is written to a temporary name in the same directory, flushed to
+# disk and ``os.replace``-d into place, so a file is either absent or whole (files.py). A crash
+# at any moment of a save leaves a directory without meta.pt (incomplete, skipped by
+# :func:`latest_checkpoint`, refused by :func:`load_checkpoint`), and the previous step's
+# directory untouched. Every file is read back with ``torch.load(..., weights_only=True)``:
+# loading a checkpoint never runs code from it.
+#
+# [Note: what else a checkpoint holds]
+# * Hybrid sharding (a 2-D mesh): the replicas hold identical shards, so only the first replica
+#   writes, one file per rank of its shard group: the files of S ranks, loadable at any world
+#   size.
+# * Full export (full_state.py): :func:`full_optimizer_state_dict` turns the sharded optimizer
+#   state into the state dict a plain ``torch.optim`` optimizer over the UNWRAPPED model would
+#   have, so ``model.full_state_dict()`` plus it resume training in a single process.
+# * The training loop's own state (the step, the best loss, every rank's RNG state, an LR
+#   scheduler's ``state_dict()``) travels as ``save_checkpoint(..., extra={...})``: extra.pt,
+#   every rank's by rank, written before the marker, returned by :func:`load_checkpoint` to each
+#   rank.
 def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=None,
                     overwrite: bool = False, format: str = "minishard") -> None:
     """Save ``model`` (a ``minishard.ZeRO``) and its ``optimizer`` into the directory ``path``.
@@ -226,6 +228,10 @@ def _held(param) -> tuple[int, int, torch.Tensor]:
     return lo, hi, param.rows.detach().reshape(hi - lo, flat.row_numels[j])
 
 
+# [Note: the rows] The cut is exactly the rows a parameter holds at stages 1-3 (flat.py). Stage
+# 0 holds whole parameters on every rank; rank r still saves only its rows, so the files never
+# depend on the stage. Optimizer state shaped like the parameter (Adam's ``exp_avg``, SGD's
+# ``momentum_buffer``) is cut with the same rows; scalar state (``step``) is copied.
 def _rank_rows(model, optimizer, world: int, rank: int) -> dict:
     """What ``rank`` of ``world`` saves of every parameter: its rows of the values and of the
     optimizer state shaped like the parameter, and the scalar state."""

@@ -6,30 +6,24 @@
 
 Each exercise is a stub in ``tutorials/exercises/NAME.py``: one function, its contract in the
 docstring, ``raise NotImplementedError`` for a body. The checker starts warm gloo ranks
-(``minishard.testing.RankPool``, 2, 3 and 4 of them: 3 makes the uneven cases, 4
-the layouts where more than one rank holds only padding), loads your file on
-every rank, and runs your function on examples from small to larger. Every example is judged by
-an INDEPENDENT oracle computed in one process from every rank's inputs: stock torch on the
-global batch, plain sums and slices, never minishard's own code (which is the reference solution:
-tests/test_exercise.py shows the checker passes it and fails known-wrong versions). It checks the
-CONTRACT, not only the numbers: the collectives your code issues (counted by the comm ledger: the
-SyncBatchNorm backward must use exactly one all_reduce), the bytes a ring sends, and that every
-rank ends with the same bits where a real all-reduce gives them. The first example that fails is
-printed: every rank's inputs, the rank that failed, what was expected and what your code gave,
-and a hint. Hints come in steps: the first says what is wrong; the next failure of the same
-exercise (counted in a small file, see ``attempts_file``) adds how to do it.
+(``minishard.testing.RankPool``, 2, 3 and 4 of them), loads your file on every rank, and runs
+your function on examples from small to larger, each judged by an INDEPENDENT oracle computed in
+one process from every rank's inputs (oracles.py: stock torch on the global batch, plain sums
+and slices, never minishard's own code). It checks the CONTRACT, not only the numbers: the
+collectives your code issues, the bytes a ring sends, the same bits on every rank where a real
+all-reduce gives them. The first example that fails is printed: every rank's inputs, the rank
+that failed, what was expected and what your code gave, and a hint, which says more at the next
+failure of the same exercise. Each choice, and why: [Note: the checker].
 
     ring_all_reduce     the ring all-reduce from point-to-point sends (tutorial 01)
     syncbn_backward     SyncBatchNorm's backward: one all-reduce of [Σdy, Σdy·x̂] (tutorial 03)
     shard_layout        which rows of each parameter a rank holds, FSDP2's cut (flat.py)
     reduce_gradient     stage 2's reduction: reduce-scatter, average, drop the padding (flat.py)
-    clip_grad_norm      clipping by the global norm when each rank holds a shard (zero.py)
+    clip_grad_norm      clipping by the global norm when each rank holds a shard (engine.py)
 
 Your function receives the communication it may use as arguments (``all_reduce``,
 ``reduce_scatter``, ``send_recv``: thin wrappers over ``minishard.comm``), so it needs no
-``torch.distributed`` of its own. Inputs are float64 so that rounding cannot hide a wrong term,
-and random floats (not integers) so that a sum formed in a different order on different ranks
-shows in the last bits.
+``torch.distributed`` of its own.
 """
 from __future__ import annotations
 
@@ -174,6 +168,14 @@ def _on_rank(name: str, solution, case: dict, level: int = 0):
     return None, shared
 
 
+# [Note: the checker] Ranks: 3 makes the uneven cases, 4 the layouts where more than one rank
+# holds only padding. The oracles never use minishard's own code, which is the reference
+# solution: tests/test_exercise.py shows the checker passes it and fails known-wrong versions.
+# The collectives are counted by the comm ledger: the SyncBatchNorm backward must use exactly one
+# all_reduce. Hints come in steps: the first says what is wrong; the next failure of the same
+# exercise (counted in a small file, see ``attempts_file``) adds how to do it. Inputs are float64
+# so that rounding cannot hide a wrong term, and random floats (not integers) so that a sum
+# formed in a different order on different ranks shows in the last bits.
 def check(name: str, solution, pools: Callable[[int], "object"], worlds=WORLDS,
           examples: int = EXAMPLES, seed: int = 0, hint_level: int = 0) -> Failure | None:
     """Run exercise ``name`` against ``solution`` (a module-level function, or

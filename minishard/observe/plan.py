@@ -7,58 +7,27 @@ command-line estimator.
     python -m minishard.plan --params 70B --nodes 4 --ranks-per-node 8 --memory 80GB \\
         --mixed-precision
 
-prints, for stages 0-3, the model-state bytes one rank holds (parameters, gradients, optimizer
-state; the formulas are ``minishard.observe.memory.zero_bytes``), the activations of a transformer of the
-given shape, what is left, which stages fit in ``--memory`` minus a stated headroom, and a
-recommendation: the LOWEST stage that fits, because each stage up saves memory by communicating
-more (stage 3: 1.5x the bytes of stages 0-2) or at least more often.
+prints, for stages 0-3, the bytes one rank holds (model states: ``observe.memory.zero_bytes``;
+the activations of a transformer of the given shape: ``activation_bytes``), which stages fit in
+``--memory`` minus a stated headroom, and the LOWEST stage that fits: each stage up saves memory
+by communicating more (stage 3: 1.5x the bytes of stages 0-2) or at least more often.
 
-Assumptions:
-  * model states (the ZeRO paper, section 3). Bytes per parameter: fp32 Adam 4 + 4 + 8 (params,
-    grads, exp_avg + exp_avg_sq); mixed precision Adam 2 + 2 + K with K = 12 (fp32 master
-    params + the two Adam moments); SGD with momentum K = 4 (plus 4 for the master copy in mixed
-    precision). Stage 1 counts full gradients (the paper's accounting); minishard frees them at
-    the end of backward, so they are a peak, not a resident cost; the peak is what has to fit.
-  * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-    Transformer Models", arXiv:2205.05198): sbh(34 + 5as/h) bytes per layer with 16-bit
-    activations (s sequence, b micro-batch, h hidden, a heads), 2sbh per layer with full
-    activation checkpointing plus one layer recomputed at a time
-    (``minishard.observe.memory.activation_bytes``); without --mixed-precision the activations are fp32,
-    sbh(66 + 9as/h) (the same itemisation at 4 bytes, masks 1 byte: our rescaling, not the
-    paper's number). Only counted when the shape is given; otherwise the
-    "left" column is what remains for them, and the recommendation says how much that is.
-  * headroom (``--headroom``, default 10%): kept free for what neither formula counts (the
-    framework and allocator, fragmentation, temporary buffers, stage 3's gathered units, the
-    logits of the output layer). A stage fits when states + activations <= memory - headroom.
-  * GB = 10^9 bytes (as in the paper); GiB = 2^30.
+  model states   bytes a parameter (the ZeRO paper, section 3): fp32 Adam 4 + 4 + 8, mixed
+                 precision Adam 2 + 2 + 12; SGD with momentum K = 4 (+ 4, the master copy, in
+                 mixed precision). Stage 1 counts full gradients: a peak, and the peak must fit
+  activations    Korthikanti et al. 2022 (arXiv:2205.05198), per layer: sbh(34 + 5as/h) bytes
+                 in 16 bits, sbh(66 + 9as/h) in fp32, 2sbh with --checkpointing; only with a shape
+  headroom       --headroom (default 10%), kept free for what neither formula counts
+  GB             10^9 bytes (the paper's), GiB 2^30; in full: [Note: assumptions] in plan.py
 
-Several nodes (``--nodes R --ranks-per-node S``, N = R·S ranks): a second table sets DDP,
-stages 1-3 over all N ranks and hybrid stages 1-3 (sharded over the S ranks of a node,
-replicated across nodes: minishard's ``mesh=``; FSDP1 HYBRID_SHARD at stage 3 and
-_HYBRID_SHARD_ZERO2 at stage 2, FSDP2 on a 2-D mesh, DeepSpeed MiCS at stage 3; not ZeRO++ hpZ,
-which keeps optimizer state and gradients sharded over all N ranks) side by side, with memory
-per rank and bytes per rank per step (``minishard.observe.memory.step_bytes``) inside a node and
-across nodes, b = 4 bytes per element (2 with --mixed-precision):
+--nodes R --ranks-per-node S (N = R·S ranks) adds a table: bytes per rank per step
+(``step_bytes``, b bytes an element), and the choice that fits with the fewest bytes crossing
+nodes (why a ring over all N counts wholly: [Note: crosses nodes] in plan.py):
 
-    DDP (stage 0)       2Ψb(N-1)/N      all of it crosses nodes when R > 1
-    stages 1-2          2Ψb(N-1)/N      all of it crosses nodes when R > 1
+    DDP, stages 1-2     2Ψb(N-1)/N      all of it crosses nodes when R > 1
     stage 3             3Ψb(N-1)/N      all of it crosses nodes when R > 1
     hybrid stages 1-2   2Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
     hybrid stage 3      3Ψb(S-1)/S inside the node  +  2(Ψ/S)b(R-1)/R across nodes
-
-What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
-ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
-chunk (or its partial sum) travels the whole ring, so it reaches the other nodes, and each
-boundary hop carries as many bytes as a rank sends: the whole collective runs at the speed of
-the inter-node link. We therefore count ALL of a rank's bytes as crossing. Hybrid sharding keeps
-the shard-group rings inside a node and crosses nodes only in the all-reduce of each rank's
-gradient shard with its R-1 peers (one per node), a ring in which every hop crosses. The
-recommendation: of the choices that fit, the one with the fewest cross-node bytes (ties: fewest
-bytes in all, then the lowest stage); on one node, the lowest stage that fits.
-
-The paper's Figure 1 (7.5B parameters, 64 ranks, mixed-precision Adam): 120 GB, 31.4 GB, 16.6 GB,
-1.88 GB per rank for stages 0-3. ``python -m minishard.plan --params 7.5e9 --ranks 64
---memory 80GB --mixed-precision`` prints those numbers (tests/test_plan.py checks it).
 """
 from __future__ import annotations
 
@@ -121,6 +90,27 @@ def fmt_decimal(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+# [Note: assumptions] What the estimate counts, in full:
+# * model states (the ZeRO paper, section 3). Bytes per parameter: fp32 Adam 4 + 4 + 8 (params,
+#   grads, exp_avg + exp_avg_sq); mixed precision Adam 2 + 2 + K with K = 12 (fp32 master
+#   params + the two Adam moments); SGD with momentum K = 4 (plus 4 for the master copy in mixed
+#   precision). Stage 1 counts full gradients (the paper's accounting); minishard frees them at
+#   the end of backward, so they are a peak, not a resident cost; the peak is what has to fit.
+# * activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+#   Transformer Models", arXiv:2205.05198): sbh(34 + 5as/h) bytes per layer with 16-bit
+#   activations (s sequence, b micro-batch, h hidden, a heads), 2sbh per layer with full
+#   activation checkpointing plus one layer recomputed at a time
+#   (``minishard.observe.memory.activation_bytes``); without --mixed-precision the activations
+#   are fp32, sbh(66 + 9as/h) (the same itemisation at 4 bytes, masks 1 byte: our rescaling, not
+#   the paper's number). Only counted when the shape is given; otherwise the "left" column is
+#   what remains for them, and the recommendation says how much that is.
+# * headroom (``--headroom``, default 10%): kept free for what neither formula counts (the
+#   framework and allocator, fragmentation, temporary buffers, stage 3's gathered units, the
+#   logits of the output layer). A stage fits when states + activations <= memory - headroom.
+# * GB = 10^9 bytes (as in the paper); GiB = 2^30.
+# The paper's Figure 1 (7.5B parameters, 64 ranks, mixed-precision Adam): 120 GB, 31.4 GB,
+# 16.6 GB, 1.88 GB per rank for stages 0-3. ``python -m minishard.plan --params 7.5e9 --ranks 64
+# --memory 80GB --mixed-precision`` prints those numbers (tests/test_plan.py checks it).
 def estimate(params: float, ranks: int, memory: float, optimizer: str = "adam",
              mixed_precision: bool = False, headroom: float = 0.0,
              activations: float = 0.0, replicated: float = 0) -> list[dict]:
@@ -150,6 +140,22 @@ def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
     return 1 if divisible == 0 else max(1, math.ceil(divisible / (memory - fixed)))
 
 
+# [Note: crosses nodes] Several nodes (``--nodes R --ranks-per-node S``, N = R·S ranks): the
+# second table sets DDP, stages 1-3 over all N ranks and hybrid stages 1-3 (sharded over the S
+# ranks of a node, replicated across nodes: minishard's ``mesh=``; FSDP1 HYBRID_SHARD at stage 3
+# and _HYBRID_SHARD_ZERO2 at stage 2, FSDP2 on a 2-D mesh, DeepSpeed MiCS at stage 3; not ZeRO++
+# hpZ, which keeps optimizer state and gradients sharded over all N ranks) side by side, with
+# memory per rank and bytes per rank per step (``minishard.observe.memory.step_bytes``) inside a
+# node and across nodes, b = 4 bytes per element (2 with --mixed-precision).
+# What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
+# ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
+# chunk (or its partial sum) travels the whole ring, so it reaches the other nodes, and each
+# boundary hop carries as many bytes as a rank sends: the whole collective runs at the speed of
+# the inter-node link. We therefore count ALL of a rank's bytes as crossing. Hybrid sharding
+# keeps the shard-group rings inside a node and crosses nodes only in the all-reduce of each
+# rank's gradient shard with its R-1 peers (one per node), a ring in which every hop crosses.
+# The recommendation: of the choices that fit, the one with the fewest cross-node bytes (ties:
+# fewest bytes in all, then the lowest stage); on one node, the lowest stage that fits.
 def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
             optimizer: str = "adam", mixed_precision: bool = False, headroom: float = 0.0,
             activations: float = 0.0, replicated: float = 0) -> list[dict]:

@@ -1,57 +1,32 @@
 """Configuration: ``minishard.ZeRO``'s arguments in full, checked before any collective can hang.
 
-The arguments, beyond ``module`` and ``stage`` (zero.py's table):
+The arguments beyond ``module`` and ``stage`` (engine.py's STAGES), each with where to read more:
 
-units
-    ``None`` (the whole module is one unit), a module class or a collection of classes (every
-    matching submodule is its own unit), or a predicate ``fn(module) -> bool``. A parameter
-    belongs to the innermost unit that contains every module using it (build.py). Each unit is
-    one collective per gather and per reduction: on gloo a collective costs a fixed amount of CPU
-    per call on top of its bytes, so there units of several MiB train faster than many small
-    ones (measured: bench/RESULTS.md, "Where stage 3's time goes").
-process_group / mesh
-    The ranks to shard over (default: all), or a ``DeviceMesh``. 1-D: the same as its process
-    group. 2-D, dims (replicate, shard) as in FSDP2 (:func:`resolve_groups`): hybrid sharding.
-    Stages 1-3 cut every flat buffer across the shard dim (the ranks of one node) and replicate
-    it across dim 0 (the nodes): gathers stay inside the shard group; a gradient is
-    reduce-scattered (avg) there, then its shard all-reduced (avg) across the replicas. Stage 0
-    all-reduces over every rank. Per rank per step, stage 3 with R nodes of S ranks:
-    3Ψ(S-1)/S inside a node and 2(Ψ/S)(R-1)/R across nodes, instead of 3Ψ(RS-1)/(RS).
-mixed_precision
-    A :class:`MixedPrecision` (default: compute in the parameters' dtype).
-prefetch
-    Issue the next unit's all-gather asynchronously while this one computes (gathers.py).
-bucket_bytes
-    Stages 2-3: move consecutive units together, up to about this many bytes per collective
-    ([Note: buckets] below). 0 (the default): one collective per unit.
-param_groups
-    Optimizer groups over the module's parameters before wrapping (``[{"params": [...],
-    "weight_decay": 0.0}, ...]``); ``model.param_groups()`` returns them over the user
-    parameters. Simpler: build the groups after wrapping, from ``model.named_parameters()``, as
-    for the unwrapped model. Parameters not listed form a last group with no options.
-find_unused_parameters
-    Stages 0-2: allow a unit to get a gradient on SOME ranks only in a step (a data-dependent
-    branch); reductions are then launched at the end of backward (reductions.py, [Note:
-    find_unused]). Without it (the default, as DDP's), every rank must reach the same units in
-    backward; a unit that none reached keeps ``grad=None``.
-replicate / persist_below
-    Stages 1-3: parameters kept WHOLE on every rank, beside the sharded ones (FSDP2's
-    ``replicate`` on some modules, DeepSpeed's ``stage3_param_persistence_threshold``).
-    ``replicate``: module classes or a predicate, like ``units``; every parameter a matching
-    module owns directly is replicated. ``persist_below=n``: so is every parameter of fewer
-    than n elements. A replicated parameter is a ``Replicate()`` DTensor; it is never gathered
-    nor freed, its gradient is all-reduced (avg) over every rank as DDP's, in a bucket of its
-    own (config.BUCKET_BYTES), and the optimizer holds its whole state on every rank. Default
-    0: every parameter sharded, as FSDP2 (DeepSpeed's default is 1e5). Persisting saves
-    collectives only where a unit is made of small parameters: a unit is one gather however
-    many parameters it has. Measured on the GPT at stage 3 (bench/RESULTS.md, "Replicated
-    parameters"): with one unit per block, 1e5 saves about 3% of the bytes and no collective
-    (no real difference in time); with one unit per layer, it saves four gathers and two
-    reductions per block per step and the step is 7-11% faster.
-device / param_init_fn
-    Deferred init (deferred_init.py): where meta tensors are materialised (default: the current
-    CUDA device if there is one, else the CPU), and ``fn(module)`` initialising a module's OWN
-    meta tensors (FSDP1's argument; default: the module's ``reset_parameters()``).
+units                   ``None`` (the whole module is one unit), a module class or a collection
+                        of classes (every matching submodule is its own unit), or a predicate
+                        ``fn(module) -> bool``. A parameter belongs to the innermost unit that
+                        contains every module using it (build.py). Each unit is one collective
+                        per gather and per reduction: [Note: units]
+process_group / mesh    the ranks to shard over (default: all), or a ``DeviceMesh``: 1-D, the
+                        same as its process group; 2-D (replicate, shard), hybrid sharding
+                        ([Note: mesh], :func:`resolve_groups`)
+mixed_precision         a :class:`MixedPrecision` (default: compute in the parameters' dtype)
+prefetch                issue the next unit's all-gather while this one computes (``Gatherer``)
+bucket_bytes            stages 2-3: move consecutive units together, up to about this many bytes
+                        per collective ([Note: buckets]); 0 (the default): one per unit
+param_groups            optimizer groups over the module's parameters before wrapping
+                        (``[{"params": [...], "weight_decay": 0.0}, ...]``; [Note: param_groups])
+find_unused_parameters  stages 0-2: a unit may get a gradient on SOME ranks only in a step (a
+                        data-dependent branch): ``Reducer``, [Note: find_unused]. Without it
+                        (default, as DDP), every rank must reach the same units in backward
+replicate /             stages 1-3: parameters kept WHOLE on every rank, beside the sharded ones:
+persist_below           every parameter a matching module (classes or a predicate, like
+                        ``units``) owns directly, and every one of fewer than ``persist_below``
+                        elements. Default 0: every parameter sharded. [Note: replicate]
+device /                deferred init (deferred_init.py): where meta tensors are materialised
+param_init_fn           (default: the current CUDA device if there is one, else the CPU), and
+                        ``fn(module)`` initialising a module's OWN meta tensors (FSDP1's
+                        argument; default: the module's ``reset_parameters()``)
 """
 from __future__ import annotations
 
@@ -68,6 +43,10 @@ __all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "che
            "param_group_index", "shard_param_groups", "cast_buffers", "cast_inputs",
            "BUCKET_BYTES"]
 
+# [Note: units] Each unit is one collective per gather and per reduction: on gloo a collective
+# costs a fixed amount of CPU per call on top of its bytes, so there units of several MiB train
+# faster than many small ones (measured: bench/RESULTS.md, "Where stage 3's time goes").
+#
 # [Note: buckets] Several flat buffers in ONE collective pay one call's latency instead of
 # several, and hold their bytes a little longer. Four policies, each applied where named:
 # * stages 0-1 reductions (Reducer._schedule): every full gradient lives to the end of backward
@@ -118,9 +97,16 @@ class Groups:
     shard: object      # the ranks a flat buffer is cut across (stage 0: every rank)
     replicate: object  # the ranks holding the same shard, or None when there are no replicas
     every: object      # every rank of the engine: the config check and the initial broadcast
-    mesh: object = None  # the user's DeviceMesh, if one was given (dtensors.mesh_of)
+    mesh: object = None  # the user's DeviceMesh, if one was given (params.mesh_of)
 
 
+# [Note: mesh] ``mesh=`` as the groups of one engine. A 1-D mesh is the same as its process
+# group. 2-D, dims (replicate, shard) as in FSDP2: hybrid sharding. Stages 1-3 cut every flat
+# buffer across the shard dim (the ranks of one node) and replicate it across dim 0 (the
+# nodes): gathers stay inside the shard group; a gradient is reduce-scattered (avg) there, then
+# its shard all-reduced (avg) across the replicas. Stage 0 all-reduces over every rank. Per rank
+# per step, stage 3 with R nodes of S ranks: 3Ψ(S-1)/S inside a node and 2(Ψ/S)(R-1)/R across
+# nodes, instead of 3Ψ(RS-1)/(RS).
 def resolve_groups(mesh, process_group, stage: int) -> Groups:
     """``mesh=`` or ``process_group=`` as the groups of one engine, checked before any collective
     could hang. A 2-D mesh is (replicate, shard), FSDP2's hybrid convention::
@@ -155,6 +141,17 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
 
 
 # ----------------------------------------------------------------------------- the checks
+# [Note: replicate] ``replicate`` / ``persist_below`` (stages 1-3): parameters kept WHOLE on
+# every rank, beside the sharded ones (FSDP2's ``replicate`` on some modules, DeepSpeed's
+# ``stage3_param_persistence_threshold``). ``replicate``: module classes or a predicate, like
+# ``units``; every parameter a matching module owns directly is replicated. ``persist_below=n``:
+# so is every parameter of fewer than n elements. A replicated parameter is a ``Replicate()``
+# DTensor; it is never gathered nor freed, its gradient is all-reduced (avg) over every rank as
+# DDP's, in a bucket of its own (BUCKET_BYTES), and the optimizer holds its whole state on every
+# rank. Default 0: every parameter sharded, as FSDP2 (DeepSpeed's default is 1e5). Persisting
+# saves collectives only where a unit is made of small parameters: a unit is one gather however
+# many parameters it has. What it buys on the GPT at stage 3, measured: bench/RESULTS.md,
+# "Replicated parameters".
 def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, process_group,
                     mesh, find_unused: bool, bucket_bytes: int, persist_below: int) -> Groups:
     """Every check that needs no collective, in this order; returns the engine's groups.
@@ -201,6 +198,10 @@ def check_same_config(module: nn.Module, stage: int, group) -> None:
 
 
 # ------------------------------------------------------------------------ optimizer groups
+# [Note: param_groups] ``param_groups``: optimizer groups over the module's parameters before
+# wrapping; ``model.param_groups()`` returns them over the user parameters. Simpler: build the
+# groups after wrapping, from ``model.named_parameters()``, as for the unwrapped model.
+# Parameters not listed form a last group with no options.
 def param_group_index(module: nn.Module, param_groups: list[dict] | None):
     """``param_groups`` over the original parameters -> (group index of a parameter, each
     group's options). Parameters not listed go to one last group with no options."""

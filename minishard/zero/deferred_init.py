@@ -14,36 +14,16 @@ rank's shards; 0-2: the full buffers), as zeros. Then :func:`materialize` walks
         shard (_write_param), keeps the buffers, frees the rest
 
 So no rank holds more than what its stage keeps + one module's full tensors (+ the buffers,
-which every rank keeps): at stage 3, the shards + at most the largest unit's full tensors,
-when each module's tensors belong to its unit. (Laying out a stage-3 buffer allocates its
-full tensor and frees it at once, untouched: also within that bound.) ``WrapMeter`` counts
-it all; tests/test_deferred_init.py checks the count exactly. What is really ALLOCATED adds
-up to two modules before, whose broadcasts gloo's worker threads may still hold (comm.
-FINISHED_KEPT_BY_BACKEND): the shards + 3 units, tests/test_memory_wall.py; and each module's
-freed pages go back to the operating system at once (release_free_pages, below).
+which every rank keeps): at stage 3, the shards + at most the largest unit's full tensors, when
+each module's tensors belong to its unit ([Note: what a rank holds]: counted and allocated).
 
-**Why module by module, in modules() order.** Building under ``torch.device("meta")``
-consumes no random numbers, and ``modules()`` visits submodules in registration order, so
-calling each one's initialiser in that order, on the CPU generator, with the same seed,
-draws the SAME numbers as the eager ``torch.manual_seed(s); build()`` -- whatever the units
-are. (Materialising unit by unit would not: the root unit's embedding and head sit on
-either side of the blocks in the drawing order.) Guarantee, tested: equal to the eager build,
-bit for bit, on ``device="cpu"``, when every module creates its own tensors with its
+**Why module by module, in modules() order.** Building under ``torch.device("meta")`` consumes
+no random numbers, and ``modules()`` visits submodules in registration order, so each module's
+initialiser called in that order, on the CPU generator, with the same seed, draws the SAME
+numbers as the eager ``torch.manual_seed(s); build()`` -- whatever the units are. Tested, bit
+for bit on ``device="cpu"``, when every module creates its own tensors with its
 ``reset_parameters()`` (as torch's layers do) and registers its submodules in the order it
-builds them. What differs otherwise, plainly:
-
-* a module whose ``__init__`` draws random numbers outside ``reset_parameters()``, or creates
-  its own tensors AFTER building its children (``modules()`` visits a parent first), or
-  registers children in another order than it builds them: other numbers (same distribution);
-* a tied parameter takes the value of its FIRST user in ``modules()`` order (an eager
-  ``head.weight = emb.weight`` keeps the embedding's, as here); later users' initialisers
-  still run, on a scratch copy, so the numbers drawn after them stay aligned;
-* a model mixing real and meta modules: real modules keep their values (rank 0's) and their
-  initialisers do not run, so the meta modules after them draw other numbers than an eager
-  build would;
-* another ``device`` draws from that device's generator (CUDA's), not the CPU's;
-* only rank 0 runs the initialisers: afterwards rank 0's generator is where an eager build
-  leaves it, the other ranks' are untouched.
+builds them. What differs otherwise, plainly: [Note: the same numbers].
 
 A meta tensor that no initialiser wrote (a RoPE ``inv_freq`` computed in ``__init__`` is lost
 on the meta device, and ``reset_parameters`` may not recompute it) is an error naming the
@@ -89,6 +69,28 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
 
 
+# [Note: what a rank holds] Laying out a stage-3 buffer allocates its full tensor and frees it
+# at once, untouched: also within the module docstring's bound. ``WrapMeter`` counts it all;
+# tests/test_deferred_init.py checks the count exactly. What is really ALLOCATED adds up to two
+# modules before, whose broadcasts gloo's worker threads may still hold
+# (comm.FINISHED_KEPT_BY_BACKEND): the shards + 3 units, tests/test_memory_wall.py; and each
+# module's freed pages go back to the operating system at once (release_free_pages, below).
+#
+# [Note: the same numbers] Materialising unit by unit would not draw the eager build's numbers:
+# the root unit's embedding and head sit on either side of the blocks in the drawing order.
+# The guarantee (module docstring) is tested. What differs otherwise, plainly:
+# * a module whose ``__init__`` draws random numbers outside ``reset_parameters()``, or creates
+#   its own tensors AFTER building its children (``modules()`` visits a parent first), or
+#   registers children in another order than it builds them: other numbers (same distribution);
+# * a tied parameter takes the value of its FIRST user in ``modules()`` order (an eager
+#   ``head.weight = emb.weight`` keeps the embedding's, as here); later users' initialisers
+#   still run, on a scratch copy, so the numbers drawn after them stay aligned;
+# * a model mixing real and meta modules: real modules keep their values (rank 0's) and their
+#   initialisers do not run, so the meta modules after them draw other numbers than an eager
+#   build would;
+# * another ``device`` draws from that device's generator (CUDA's), not the CPU's;
+# * only rank 0 runs the initialisers: afterwards rank 0's generator is where an eager build
+#   leaves it, the other ranks' are untouched.
 def materialize(root: nn.Module, units: list, group, deferred: DeferredInit,
                 meter: WrapMeter) -> None:
     """Give every meta tensor of ``root`` its values, one module at a time in ``modules()``

@@ -17,8 +17,8 @@ Return ``(dx, dweight, dbias)`` for this rank:
 ``all_reduce(t)`` sums tensor ``t`` in place over the ranks. Call it exactly ONCE, on every
 rank (an empty rank too: its sums are zeros): one collective of 2C values per backward is the
 point of SyncBatchNorm's design, and the checker counts them. Why parameter gradients stay local:
-DDP or the ZeRO engine averages them across ranks afterwards. The derivation is in the docstring
-of minishard/syncbn.py; broadcast per-channel vectors with shape (1, C) or (1, C, 1).
+DDP or the ZeRO engine averages them across ranks afterwards. The derivation is at the end of
+tutorials/03_sync_batchnorm.py; broadcast per-channel vectors with shape (1, C) or (1, C, 1).
 """
 import torch
 
