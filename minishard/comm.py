@@ -10,9 +10,7 @@ Every collective minishard issues goes through a function in this module. That b
    issues is recorded with the bytes it sends (costs.py: the ring cost model, the Ledger, and the
    alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm).
 3. One place a reader has to look to know when ranks talk to each other.
-
-Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a
-:class:`Handle`; ``.wait()`` before reading the result)."""
+Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a :class:`Handle`)."""
 from __future__ import annotations
 
 import os
@@ -42,15 +40,16 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
             algorithm: str = "ring", group=None) -> None:
-    """Give the open ledgers (costs.py) this collective's entry (dtensors.py: DTensor's too)."""
-    if not costs.recording() and _observer is None:
+    """Give the open ledgers (costs.py) this collective's entry (params.py: DTensor's too)."""
+    if not costs.OPEN and _observer is None:
         return
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
             else all_reduce_terms(algorithm, full_bytes, n)[1])
     entry = Entry(op, dtype, tensor_numel, n, sent, tag, algorithm,
                   ranks=group_ranks(group), dim=group_dim(group))
-    costs.record(entry)
+    for led in costs.OPEN:
+        led.entries.append(entry)
     if _observer is not None:
         _observer.issued(entry)
 
@@ -199,7 +198,8 @@ def _wait_all(works) -> None:
     for work in works:
         work.wait()
     end = time.perf_counter()
-    costs.add_blocked(end - start)
+    for led in costs.OPEN:
+        led.blocked_s += end - start
     if _observer is not None:
         _observer.waited(works, start, end)
 

@@ -15,31 +15,19 @@ Ring cost model (bytes *sent per rank*; ``S`` = bytes of the full tensor, ``N`` 
     reduce_scatter    (N-1)/N * S     S = bytes of the full (input) tensor
     broadcast         (N-1)/N * S     pipelined chain: N-1 of the N ranks forward S
 
-    why all_reduce = reduce_scatter + all_gather:
-      rank:       0      1      2           0      1      2           0      1      2
-      in       [a0 a1 a2][b0 b1 b2][c0..]  ->  [Σ0]   [Σ1]   [Σ2]  ->  [Σ0 Σ1 Σ2] everywhere
-                            reduce_scatter              all_gather
+Latency: the alpha-beta model (Hockney's; Thakur, Rabenseifner & Gropp 2005 for these algorithms)
+prices an all_reduce by what one rank sends, time = messages * ALPHA + bytes * BETA::
 
-Latency: for a tiny tensor the bytes hardly matter and the number of messages does. The
-alpha-beta model (Hockney's; Thakur, Rabenseifner & Gropp 2005 for these algorithms) prices a
-collective by what one rank sends::
-
-    time = messages * ALPHA + bytes * BETA      ALPHA: the fixed cost of one message
-                                                BETA:  the cost of one byte
                          messages    bytes sent per rank
     ring all_reduce      2(N-1)      2(N-1)/N * S
     direct exchange      N-1         (N-1) * S    (its whole tensor to every other rank)
     recursive doubling   log2 N      log2 N * S   (N a power of two; at N = 2 it IS the exchange)
 
-For small S the fewest messages win: doubling where N is a power of two, else the exchange. The
-ring wins once its saving in bytes outweighs its extra messages; at N = 4, against doubling,
-above S* = 8 ALPHA/BETA (4 messages more, S/2 bytes fewer). The ring's bytes per rank stay below
-2S whatever N, which is why ZeRO's MiB-sized buckets use it.
-
 ``all_reduce(..., algorithm="auto")`` picks the cheapest with ALPHA and BETA measured on this
-machine (``bench/alpha_beta.py``); the ledger then records the algorithm that ran and the
-bytes it really sends. The default stays the backend's own ring: callers whose byte counts are a
-contract (ZeRO's per-step formulas) keep them; SyncBatchNorm's few statistics ask for "auto".
+machine (below; small S: the fewest messages; MiBs: the ring, under 2S per rank whatever N); the
+ledger records the algorithm that ran and the bytes it really sends. The default stays the ring:
+ZeRO's per-step byte formulas are a contract; SyncBatchNorm's few statistics ask for "auto". Why
+all_reduce = reduce_scatter + all_gather, where the ring starts to win: tutorial 01, parts 5-7.
 """
 from __future__ import annotations
 
@@ -131,22 +119,22 @@ class Ledger:
         return "\n".join(lines)
 
 
-_open_ledgers: list[Ledger] = []
+OPEN: list[Ledger] = []  # the ledgers of the open ``with ledger()`` blocks: comm adds to each
 
 
 @contextlib.contextmanager
 def ledger() -> Iterator[Ledger]:
     """Record every collective this rank issues inside the block. Ledgers nest. The outermost
-    also opens each of :data:`WATCHERS` (dtensors.py: the collectives torch runs on DTensors)."""
+    also opens each of :data:`WATCHERS` (zero/params.py: the collectives torch runs on DTensors)."""
     led = Ledger()
     with contextlib.ExitStack() as stack:
-        for watcher in WATCHERS if not _open_ledgers else ():
+        for watcher in WATCHERS if not OPEN else ():
             stack.enter_context(watcher())
-        _open_ledgers.append(led)
+        OPEN.append(led)
         try:
             yield led
         finally:
-            _open_ledgers.remove(led)
+            OPEN.remove(led)
 
 
 def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[int, Fraction]:
@@ -164,23 +152,6 @@ def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[
 
 
 WATCHERS: list = []  # context managers that record collectives comm does not issue
-
-
-def recording() -> bool:
-    """True inside at least one ``with ledger():`` block."""
-    return bool(_open_ledgers)
-
-
-def record(entry: Entry) -> None:
-    """Append one collective to every open ledger (comm calls this for each collective)."""
-    for led in _open_ledgers:
-        led.entries.append(entry)
-
-
-def add_blocked(seconds: float) -> None:
-    """Add time spent blocked in a wait to every open ledger."""
-    for led in _open_ledgers:
-        led.blocked_s += seconds
 
 
 # -------------------------------------------------------------------- the alpha-beta model

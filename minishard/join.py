@@ -7,63 +7,33 @@
             loss_fn(model(x), y).backward()
             opt.step()
 
-Every rank must issue the same collectives in the same order. A rank that has run out of batches
-(it has *joined*) cannot just wait: at stages 1-3 it owns a shard of every parameter, gradient
-and optimizer state, and the others' gathers and reductions need it. torch's ``Join`` runs, on a
-joined rank, a loop of one all-reduce counting the ranks still training (they join it at the
-start of each forward: ``Join.notify_join_context``); while any are, it calls our
-``main_hook``, which must issue exactly the collectives one of their iterations issues.
+Every rank must issue the same collectives in the same order. A rank out of batches (it has
+*joined*) cannot just wait: at stages 1-3 it owns a shard of everything, and the others' gathers
+and reductions need it. torch's ``Join`` runs, on a joined rank, a loop of one all-reduce
+counting the ranks still training (they join it at each forward: ``Join.notify_join_context``);
+while any are, it calls ``main_hook``, which must issue what one of their iterations issues.
 
-**A shadow step is a real step on an empty batch.** The hook runs the model's forward, and its
-backward, on the last batch shape this rank saw cut to zero rows. So it issues what the engine
-issues for any batch, in the same order, with no list to keep in step with the engine: gathers,
-prefetch, buckets, re-gathers, SyncBatchNorm's all-reduces (an empty rank contributes a
-count of 0), the reductions and find_unused's bitmap (where it reports no unit used). An empty batch has zero gradients, and
-the reductions average over every rank of the engine, joined ones included: the gradient is the
-active ranks' sum over the INITIAL world size, as DDP computes it under ``Join``. Then, as the
-others do, the hook steps the optimizer given to ``Join`` (and zeroes its gradients): the
-joined rank's shard, momentum and Adam state move with everyone's. DDP has nothing to step
-(each rank holds everything; its post-hook broadcasts the final weights); stock
-ZeroRedundancyOptimizer steps its shard without the averaged gradient, and ends wrong.
+**A shadow step is a real step on an empty batch**: the model's forward and backward on the last
+batch shape this rank saw, cut to zero rows. So it issues what the engine issues for any batch,
+in the same order, with no list to keep in step with the engine. Its gradients are zeros and
+the reductions average over every rank, joined ones included: the active ranks' sum over the
+INITIAL world size, as DDP computes it under ``Join``. Then the hook steps the optimizer given
+to ``Join``, so the joined rank's shard, momentum and Adam state move with everyone's (stock
+ZeroRedundancyOptimizer steps its shard without the averaged gradient, and ends wrong).
 
 **What the others are about to do** reaches the joined ranks in one more all-reduce (MAX) at
-each forward of the active ranks, a ``Plan``: will a backward follow (training, or an evaluation
-under ``torch.no_grad()``)? will it reduce (``no_sync()`` accumulates without communication)?
-When a joined rank will step, the active ranks also send the optimizer's options (its param
-groups but the parameters): a joined rank's own lr stopped with its loop's scheduler.
-Rules a loop under ``Join`` keeps, checked on every rank (raised together, never a hang):
-
-* after every backward that reduces, the optimizer given to ``Join`` steps exactly once, before
-  the next forward or the end of the loop (a joined rank steps at that point);
-* the optimizer's options do not change between the forward and the step (a scheduler steps
-  after the step, or an lr is set before the forward, as nanoGPT does);
-* every trainable parameter is in that one optimizer (param groups for different options);
-* a forward with grad enabled is followed by its backward before the next forward (a joined
-  rank shadows it with both): evaluate under ``torch.no_grad()``, after the step. This one
-  is raised on the active ranks, before the next forward's first collective;
-* what the loop runs between backward and step that communicates (clipping by the global norm)
-  is passed as ``before_step=fn``, ``fn(model)``, so a joined rank runs it too::
-
-      clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-      with Join([model], optimizer=opt, before_step=clip):
-          ... loss.backward(); clip(model); opt.step()
-
-* the module accepts a batch of zero rows (the shadow step's input).
-
-**ZeRO-1 over whole parameters** (``ShardedOptimizer``) goes under Join in either of two ways:
-through a ``ZeRO(module, stage=0)`` model, ``Join([model], optimizer=opt)`` (the shadow step's
-reduction hands the joined rank the averaged gradient), or as a joinable of its own beside torch
-DDP, ``Join([ddp, opt], model=ddp)`` (``ShardedJoinHook`` below). Beside DDP the gradient a
-joined rank steps with has to be sent: DDP's shadow all-reduce discards it.
-
-A rank with no batch at all has no shape to cut: its first plan asks, and the active ranks send
-theirs (one all-gather of Python objects, once).
+each forward of the active ranks, a ``Plan``: will a backward follow? will it reduce? When a
+joined rank will step, the active ranks also send the optimizer's options (a joined rank's own
+lr stopped with its loop's scheduler); a rank that never saw a batch asks for its shape once.
+The rules a loop under ``Join`` keeps are checked on every rank: [Note: Join's rules] below.
+This file attaches to the engine from outside: a listener on its event stream while Join runs.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import weakref
 
 import torch
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
@@ -72,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from minishard import comm
 from minishard.checkpoint.full_state import hyperparameters
 
-__all__ = ["JoinState", "announce", "ZeROJoinHook", "ShardedJoinHook"]
+__all__ = ["JoinState", "ZeROJoinHook", "ShardedJoinHook"]
 
 
 @dataclasses.dataclass
@@ -87,6 +57,7 @@ class JoinState:
     changed: bool = False           # ... and they changed before the step
     unanswered: bool = False        # the last forward had grad enabled; its backward not run
     hooks: tuple = ()               # the optimizer's step hooks (removed by the post-hook)
+    listener: object = None         # ours on the engine's event stream (removed with them)
 
     def broken(self) -> bool:
         """This rank broke the rules since the last forward."""
@@ -100,10 +71,26 @@ class JoinState:
         self.synced += synced
         self.unanswered = False
 
-    def remove_hooks(self) -> None:
+    def attach(self, engine) -> None:
+        """Listen to the engine's events (engine.py): its root forwards announce this rank, its
+        backwards are counted. Only while a Join runs: outside one the engine runs no Join code."""
+        ref = weakref.ref(engine)
+
+        def heard(event: str, unit=None, *payload) -> None:
+            engine = ref()
+            if event == "step" and engine._join_config.enable and not engine._reducer.shadowing:
+                announce(engine, *payload)  # this rank has not joined; the plan
+            elif event == "backward_done":
+                self.backward_done(engine.require_backward_grad_sync)
+        self.listener = heard
+        engine.listeners.append(heard)
+
+    def detach(self, engine) -> None:
         for hook in self.hooks:
             hook.remove()
-        self.hooks = ()
+        if self.listener in engine.listeners:
+            engine.listeners.remove(self.listener)
+        self.hooks, self.listener = (), None
 
 
 @dataclasses.dataclass
@@ -164,6 +151,26 @@ def _same(a, b) -> bool:
         else bool(x == y) for x, y in zip(xs, ys))
 
 
+# [Note: Join's rules] Rules a loop under ``Join`` keeps, checked on every rank (raised together, never a hang):
+#
+# * after every backward that reduces, the optimizer given to ``Join`` steps exactly once, before
+#   the next forward or the end of the loop (a joined rank steps at that point);
+# * the optimizer's options do not change between the forward and the step (a scheduler steps
+#   after the step, or an lr is set before the forward, as nanoGPT does);
+# * every trainable parameter is in that one optimizer (param groups for different options);
+# * a forward with grad enabled is followed by its backward before the next forward (a joined
+#   rank shadows it with both): evaluate under ``torch.no_grad()``, after the step. This one
+#   is raised on the active ranks, before the next forward's first collective;
+# * what the loop runs between backward and step that communicates (clipping by the global norm)
+#   is passed as ``before_step=fn``, ``fn(model)``, so a joined rank runs it too::
+#
+#       clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+#       with Join([model], optimizer=opt, before_step=clip):
+#           ... loss.backward(); clip(model); opt.step()
+#
+# * the module accepts a batch of zero rows (the shadow step's input).
+
+
 def _refuse_if_broken(plan: Plan) -> None:
     if plan.broken:
         raise RuntimeError(
@@ -210,11 +217,11 @@ class ZeROJoinHook(JoinHook):
 
     def __init__(self, engine, optimizer=None, before_step=None) -> None:
         self.engine = engine
-        self.state = state = engine._join_state
-        state.optimizer, state.before_step = optimizer, before_step
-        state.reset()
-        state.remove_hooks()  # a Join that raised never ran its post-hook
+        if getattr(engine, "_join_state", None) is not None:
+            engine._join_state.detach(engine)  # a Join that raised never ran its post-hook
         _refuse_uncovered(engine, optimizer)
+        self.state = state = engine._join_state = JoinState(optimizer, before_step)
+        state.attach(engine)
         if optimizer is not None:
             def unchanged(opt, *_):  # joined ranks step with the options sent at the forward
                 state.changed |= state.options is not None and not _same(_options(opt),
@@ -243,7 +250,7 @@ class ZeROJoinHook(JoinHook):
                    if plan.steps_joined(state.optimizer) else None)
         args, kwargs = state.inputs
         sync = engine.require_backward_grad_sync
-        engine._reducer.shadowing = True  # the one flag: zero.py reads it too
+        engine._reducer.shadowing = True  # the one flag: schedule.py reads it too
         engine.require_backward_grad_sync = plan.sync
         try:
             with torch.set_grad_enabled(plan.backward):
@@ -273,7 +280,7 @@ class ZeROJoinHook(JoinHook):
         after the block announce nothing (torch leaves a joinable's config enabled)."""
         engine, state = self.engine, self.state
         plan = Plan.exchange([False, False, state.broken(), False, False], engine.every_group)
-        state.remove_hooks()
+        state.detach(engine)
         state.reset()
         engine._join_config = _JoinConfig.construct_disabled_join_config()
         _refuse_if_broken(plan)
@@ -317,6 +324,11 @@ _SHARDED_RULE = (
     "model in the list of joinables.")
 
 
+# ZeRO-1 over whole parameters (``ShardedOptimizer``) goes under Join in either of two ways:
+# through a ``ZeRO(module, stage=0)`` model, ``Join([model], optimizer=opt)`` (the shadow step's
+# reduction hands the joined rank the averaged gradient), or as a joinable of its own beside torch
+# DDP, ``Join([ddp, opt], model=ddp)`` (``ShardedJoinHook`` below). Beside DDP the gradient a
+# joined rank steps with has to be sent: DDP's shadow all-reduce discards it.
 class ShardedJoinHook(JoinHook):
     """``Join([ddp, opt], model=ddp)`` for a ``ShardedOptimizer`` ``opt``.
 

@@ -34,12 +34,12 @@ MUTANTS = {
          "tests/test_differential.py"]),
     "clip_without_min": (
         "clip_grad_norm_ scales by max_norm/norm even when the norm is below max_norm",
-        [("minishard/zero/reductions.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
+        [("minishard/zero/schedule.py", "clip = (max_norm / (total + 1e-6)).clamp(max=1.0)",
           "clip = max_norm / (total + 1e-6)")],
         ["tests/test_training.py::test_clip_grad_norm_matches_torch_on_the_unsharded_model"]),
     "zero_grads_for_unused": (
         "a flat buffer no rank used gets a zero gradient (Adam, momentum, decay then move it)",
-        [("minishard/zero/reductions.py", "if flat.requires_grad and flat.full.grad is not None:",
+        [("minishard/zero/schedule.py", "if flat.requires_grad and flat.full.grad is not None:",
           "if flat.requires_grad:")],
         ["tests/test_differential.py"]),
     "ledger_without_(N-1)/N": (
@@ -82,7 +82,7 @@ MUTANTS = {
          "tests/test_rank0.py"]),
     "find_unused_zero_grads_for_unused_by_all": (
         "find_unused_parameters: a unit NO rank used keeps the zeros reduced into it as its grad",
-        [("minishard/zero/reductions.py", "                    p.grad = grad", "                    pass")],
+        [("minishard/zero/schedule.py", "                    p.grad = grad", "                    pass")],
         ["tests/test_unused_by_all.py"]),
     "checkpoint_keeps_current_hyperparameters": (
         "load_checkpoint keeps the optimizer's current hyperparameters instead of the saved groups'",
@@ -103,7 +103,7 @@ MUTANTS = {
     "find_unused_launches_during_backward": (
         "find_unused_parameters: reductions launched as they become ready (ranks that ran "
         "different branches then deadlock against SyncBatchNorm's backward all-reduce)",
-        [("minishard/zero/reductions.py",
+        [("minishard/zero/schedule.py",
           "                self._used.add(id(flat))",
           "                self._used.add(id(flat))\n            self._schedule(flat)")],
         ["tests/test_unused_branch_syncbn.py"]),
@@ -120,7 +120,7 @@ MUTANTS = {
          "tests/test_memory_wall.py::test_load_from_rank0_holds_one_staging_buffer_and_the_regathers"]),
     "reduction_launched_before_the_oldest_is_waited": (
         "stages 2-3 launch a reduction before waiting for the oldest: three in flight, not two",
-        [("minishard/zero/reductions.py",
+        [("minishard/zero/schedule.py",
           "        while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:",
           "        while self.free_grads_early and len(self._in_flight) > MAX_REDUCTIONS_IN_FLIGHT:")],
         ["tests/test_memory_wall.py::test_at_most_two_reductions_hold_their_buffers",
@@ -133,7 +133,7 @@ MUTANTS = {
         ["tests/test_state.py::test_groups_in_another_order_are_refused_not_swapped"]),
     "backward_bucket_in_forward_order": (
         "a stage-3 backward bucket built in forward order: units gathered long before they run",
-        [("minishard/zero/gathers.py", "else self.order[:i][::-1]", "else self.order[:i]")],
+        [("minishard/zero/schedule.py", "else self.order[:i][::-1]", "else self.order[:i]")],
         ["tests/test_bucket_order.py"]),
     "fp32_statistics_only_for_batchnorm2d": (
         "buffer_dtype keeps only BatchNorm2d's running statistics in fp32, not BatchNorm1d/3d's",
@@ -157,8 +157,9 @@ MUTANTS = {
         ["tests/test_wrap_retry_and_events.py::test_a_failed_deferred_init_can_be_wrapped_again"]),
     "backward_logged_per_output": (
         "a unit returning several tensors logs \"backward\" once per tensor",
-        [("minishard/zero/meters.py", "        if unit.name not in self._backward_logged:",
-          "        if True:")],
+        [("minishard/zero/meters.py",
+          'elif event == "backward" and unit.name not in self._backward_logged:',
+          'elif event == "backward":')],
         ["tests/test_wrap_retry_and_events.py::test_a_unit_with_two_outputs_logs_one_backward"]),
     "trace_clock_shift_in_ms": (
         "trace.py shifts each rank's clock by wall nanoseconds / 1e6 instead of / 1000 (us)",
@@ -217,7 +218,7 @@ MUTANTS = {
     "joined_rank_reports_usage": (
         "find_unused_parameters under Join: a joined rank's empty batch marks what it ran as "
         "used, so a branch no active rank took gets zero gradients and Adam moves it",
-        [("minishard/zero/reductions.py", "            if not self.shadowing:  # a joined rank's",
+        [("minishard/zero/schedule.py", "            if not self.shadowing:  # a joined rank's",
           "            if True:  # a joined rank's")],
         ["tests/test_join.py::test_a_branch_only_the_joined_rank_takes_stays_unused"]),
     "joined_owner_steps_without_the_averaged_gradient": (
@@ -293,7 +294,7 @@ MUTANTS = {
     "second_gradient_part_dropped": (
         "a buffer's gradient arriving in two parts in one backward (reentrant checkpointing) "
         "keeps only the first part",
-        [("minishard/zero/reductions.py", "if id(flat) in self._reduced and (",
+        [("minishard/zero/schedule.py", "if id(flat) in self._reduced and (",
           "if id(flat) in self._reduced or 0 and (")],
         ["tests/test_training.py::test_a_gradient_arriving_in_two_parts_is_reduced_whole"]),
 }

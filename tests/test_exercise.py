@@ -28,7 +28,7 @@ import minishard
 from minishard import comm
 from minishard.course.exercise import EXERCISES, STUBS, check, main
 from minishard.zero.flat import FlatBuffer, FlatMode, reduce_grads
-from minishard.zero.layout import Layout
+from minishard.zero.flat import Layout
 from torch.distributed.tensor import DTensor
 from minishard.syncbn import SyncBatchNormFunction
 

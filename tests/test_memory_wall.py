@@ -374,7 +374,7 @@ def _most_reductions_in_flight(stage):
 def test_at_most_two_reductions_hold_their_buffers(pools, stage):
     """Stages 2-3 wait for the oldest reduction BEFORE launching another: never more than
     MAX_REDUCTIONS_IN_FLIGHT send and receive buffers alive at once (six units reduce here)."""
-    from minishard.zero.reductions import MAX_REDUCTIONS_IN_FLIGHT
+    from minishard.zero.schedule import MAX_REDUCTIONS_IN_FLIGHT
     for most in pools(2).run(_most_reductions_in_flight, stage):
         assert most == MAX_REDUCTIONS_IN_FLIGHT, most
 

@@ -14,6 +14,7 @@ count down to 7 and the rest with it: lower BUDGET as the path shrinks.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -87,3 +88,36 @@ def test_one_stage3_step_reads_within_the_budget(pools):
     listing = "\n".join(f"{f}:{name} ({n})" for f, name, n in rows)
     assert all(n > 0 for *_, n in rows), listing  # every function found in its file
     assert all(got[k] <= BUDGET[k] for k in BUDGET), f"{got} > {BUDGET}\n{listing}"
+
+
+# The engine's core decides by stage; features attach from outside (engine.py's event stream).
+# A condition (if, while, assert, conditional expression, comprehension filter) that names a
+# feature is counted: Join, meters, deferred init, find_unused_parameters, activation
+# checkpointing (a forward inside backward), replication. Buckets, prefetch and the order are
+# the schedule itself; FlatMode names the stage's storage.
+CORE = ["zero/engine.py", "zero/unit.py", "zero/flat.py", "zero/schedule.py"]
+FEATURE = re.compile(r"join|shadow|meter|listener|deferred|is_meta|find_unused|replicat(?!ED)"
+                     r"|Pass\.BACKWARD|_pass\b|in_backward", re.IGNORECASE)
+FEATURE_CONDITIONS = 20
+
+
+def feature_conditions(source: str) -> list[str]:
+    tests = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+            tests.append(node.test)
+        elif isinstance(node, ast.comprehension):
+            tests.extend(node.ifs)
+    return [seg for seg in (ast.get_source_segment(source, t) for t in tests) if FEATURE.search(seg)]
+
+
+def test_the_core_names_few_features():
+    found = [f"{name}: {c}" for name in CORE
+             for c in feature_conditions((PACKAGE / name).read_text())]
+    assert len(found) <= FEATURE_CONDITIONS, "\n".join(found)
+
+
+def test_the_feature_count_can_fail():
+    source = "if self.find_unused and x:\n    pass\ny = 1 if shadowing else [a for a in b if a.is_meta]\n"
+    assert len(feature_conditions(source)) == 3
+    assert feature_conditions("if mode is FlatMode.REPLICATED and bucket:\n    pass\n") == []

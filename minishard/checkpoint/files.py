@@ -27,7 +27,7 @@ import re
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from minishard.zero.layout import rows_of
+from minishard.zero.flat import rows_of
 
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",

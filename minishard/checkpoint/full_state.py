@@ -62,7 +62,7 @@ def gather_full(flat, pieces: list[torch.Tensor], what: str = "state dict", keep
     ``staging`` when given), then each full tensor is copied out. A rank that only takes part
     (``keep=False``: ``rank0_only`` on the others) copies nothing out and returns None."""
     pieces = [local(t) for t in pieces]
-    if flat.mode is FlatMode.NONE:  # every rank already holds all of it
+    if flat.mode is FlatMode.REPLICATED:  # every rank already holds all of it
         return [t.detach().reshape(s).clone() for t, s in zip(pieces, flat.shapes)] \
             if keep else None
     shape, dtype = (flat.chunks, flat.shard_numel), pieces[0].dtype
@@ -104,7 +104,8 @@ def gathered(units, writeback: bool, on_gather, put_back):
             if flat.param_dtype != flat.dtype:
                 values = masters[id(flat)] = gather_full(flat, flat.params, "gathered()")
             else:
-                unit.gather_flat(flat, False, on_gather)
+                if unit.unshard(flats=[flat]):
+                    on_gather(unit)
                 values = flat.unsharded_views(detached=True)
             unit.set_places(flat, [torch.nn.Parameter(v, requires_grad=p.requires_grad)
                                    for v, p in zip(values, flat.params)])

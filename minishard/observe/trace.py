@@ -20,13 +20,9 @@ records (op, bytes sent, elements, dtype, group, mesh dimension, algorithm, tag)
 place in this rank's order. Spans of one kind that overlap (two reductions in flight) go to a
 second track ("reduce (2)"): a viewer draws one track's spans as a stack.
 
-Where the times come from: the engine's event log (meters.py: gather, forward, free, backward,
-reduce), comm's observer (each collective issued, the works that carry it, each wait), forward
-hooks (a unit's forward ends, before the engine frees it), gradient hooks (a unit's gradient is
-complete: its backward ends, under ``no_sync`` too) and torch.optim's global step hooks. All go
-when the block ends; outside a trace comm pays one ``is None`` comparison per collective and
-wait. Times: each rank's ``perf_counter``, placed on the wall clock at entry (ranks on several
-hosts line up as well as their clocks do). With the ``plot`` extra, :func:`draw` makes a PNG
+Times: each rank's ``perf_counter``, placed on the wall clock at entry (ranks on several hosts
+line up as well as their clocks do); which hooks record them, and what a trace costs outside its
+block: [Note: where the times come from]. With the ``plot`` extra, :func:`draw` makes a PNG
 timeline of the same file, for a terminal without a browser::
 
     python -m minishard.observe.trace step.json step.png
@@ -45,7 +41,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 from minishard import comm
-from minishard.zero import params as dtensors
+from minishard.zero import params
 
 __all__ = ["Traced", "Trace", "draw", "TRACKS"]
 
@@ -92,6 +88,12 @@ class _Recorder:
         self.waits.append((start, end, seq))
 
 
+# [Note: where the times come from] The engine's event log (meters.py: gather, forward, free,
+# backward, reduce), comm's observer (each collective issued, the works that carry it, each
+# wait), forward hooks (a unit's forward ends, before the engine frees it), gradient hooks (a
+# unit's gradient is complete: its backward ends, under ``no_sync`` too) and torch.optim's global
+# step hooks. All go when the block ends; outside a trace comm pays one ``is None`` comparison
+# per collective and wait.
 class Trace:
     """``model.trace(path)``; after the block, ``events`` holds the merged events (every rank)."""
 
@@ -104,7 +106,7 @@ class Trace:
         comm.set_observer(self._recorder)  # refuses a second trace
         self._stack = stack = contextlib.ExitStack()
         stack.callback(comm.set_observer, None)
-        stack.enter_context(dtensors.torch_collectives())  # DTensor's, for torch's clip
+        stack.enter_context(params.torch_collectives())  # DTensor's, for torch's clip
         try:
             self._hook_in(stack)
         except BaseException:

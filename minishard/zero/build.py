@@ -15,7 +15,7 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
 
 4. **Flat buffers.** A unit's parameters are grouped by (dtype, requires_grad, param group) and
    each group becomes one :class:`~minishard.zero.flat.FlatBuffer`. At stages 1-3 each parameter
-   becomes a DTensor of this rank's rows (dtensors.py; flat.py, ``adopt``); stage 0 keeps the
+   becomes a DTensor of this rank's rows (params.py; flat.py, ``adopt``); stage 0 keeps the
    module's own ``nn.Parameter`` objects. Names, shapes and ``requires_grad`` stay the user's.
 5. **Values.** An eager model's values are broadcast from rank 0 first; a model with tensors on
    the meta device is materialised into the flat buffers one module at a time
@@ -172,14 +172,14 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
     ``param_dtype``, except a BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's
     batch norm takes a half input with fp32 weights and fp32 running statistics, not half
     weights with fp32 statistics. A buffer kept whole (replicated) at stages 1-3 is stage 0's:
-    mode NONE over every rank of the engine, its user parameters ``Replicate()`` DTensors."""
+    mode REPLICATED over every rank of the engine, its user parameters ``Replicate()`` DTensors."""
     buckets: dict[tuple, list[nn.Parameter]] = {}
     for p in params:  # deferred init puts every parameter on one device, real ones too
         device = deferred.device if deferred else p.device
         batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
                          for place in places[p])
         compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
-        replicated = flat_mode is not FlatMode.NONE and whole is not None and whole(p, places[p])
+        replicated = flat_mode is not FlatMode.REPLICATED and whole is not None and whole(p, places[p])
         buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute, replicated),
                            []).append(p)
     devices = {key[3] for key in buckets}
@@ -196,12 +196,12 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
                f"{'/replicated' if replicated else ''}")
         cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
-        mode = FlatMode.NONE if replicated else flat_mode
+        mode = FlatMode.REPLICATED if replicated else flat_mode
         flat = FlatBuffer(layout, groups.every if replicated else groups.shard,
                           mode=mode.under_cast(cast), param_dtype=compute, name=tag,
                           replicate_group=None if replicated else groups.replicate,
                           device=deferred and deferred.device,
-                          spec=None if flat_mode is FlatMode.NONE else Spec(
+                          spec=None if flat_mode is FlatMode.REPLICATED else Spec(
                               mesh_of(groups, device.type), whole=replicated))
         flat.param_group = pg  # which optimizer param group its shard belongs to
         unit.add_flat(flat, [places[p] for p in ps])

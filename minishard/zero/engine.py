@@ -18,43 +18,11 @@ Between steps the user holds the shards and may write them however they like (an
 forward (or ``gathered()``, or a state dict), since no counter sees every write; only the
 micro-batches of one step (after a ``no_sync`` backward) reuse them, as FSDP1 does.
 
-The life of one stage-3 unit in one step, and what implements each event (ZeRO's hooks below;
-Unit: unit.py, Gatherer: gathers.py, Reducer: reductions.py)::
-
-    pre-forward gather    all_gather shards -> full; the       _pre_forward: Gatherer.gather,
-                          module's parameters become views      Unit.to_unsharded
-    prefetch              the next unit's all_gather, async     Gatherer.look_ahead
-    forward               the module's own code, unchanged
-    post-forward free     free full; stand-ins, then (at the    _post_forward: Unit.release,
-                          root's end) the shards again          _to_sharded
-    pre-backward gather   all_gather again when the gradient    _pre_backward: Gatherer.gather,
-                          reaches the unit's outputs            Unit.to_unsharded(fresh=False)
-    backward              autograd sums the views' grads into full.grad (one flat gradient)
-    post-backward reduce  reduce_scatter(avg) full.grad ->      _post_backward (hooked by
-      + free              shard.grad; free full                 _sync_requires_grad):
-                                                                Reducer.grad_ready, Unit.release
-    end-of-backward       queued by backward's first hook:      _finish_backward: Reducer.finish
-      callback            wait for every reduction; free
-    optimizer step        the user's optimizer writes the       torch.optim (to_sharded made
-                          shards in place                       every full buffer stale)
-    re-gather             stages 1-2: every buffer, at the      _pre_forward (root):
-                          next forward                          Gatherer.refresh_stale
-
-A unit that got no gradient keeps ``grad=None``, as in one process (find_unused_parameters:
-reductions.py, [Note: find_unused]). Frozen buffers have no gradient hook; at stage 3 an
-identity on the unit's inputs (``_AfterBackward``) says when their unit's backward is over.
-Buckets (several buffers in one collective) and how many fly at once: config.py, [Note: buckets].
-Parameters kept whole (``replicate=``, ``persist_below=``) live in stage 0's buffers inside
-their unit: never gathered nor freed, their gradients all-reduced in a bucket of their own.
-Uneven inputs (torch's ``Join``, join.py): a rank out of batches runs it on an empty batch.
-
-Communication per step, Ψ = number of (padded) parameters, ring model (comm.py):
-stage 0: all-reduce Ψ = 2Ψ; stages 1-2: reduce-scatter Ψ + all-gather Ψ = 2Ψ;
-stage 3: two all-gathers + one reduce-scatter = 3Ψ (each times (N-1)/N and the element size);
-Ψ_r replicated parameters move 2Ψ_r (an all-reduce) at any stage instead.
-Hybrid sharding (``mesh=``, R replicas of S-rank shard groups) runs all of that inside the shard
-group (N = S) and adds one all-reduce of each gradient shard across the replicas: 2(Ψ/S)(R-1)/R.
-Read next: unit.py, gathers.py and reductions.py, flat.py, then comm.py (the collectives).
+The hooks below run in event order; the table above them names the code each event runs.
+Features listen from outside: every event is emitted to ``listeners`` (meters.py always,
+join.py while torch's Join runs). Communication per step, Ψ (padded) parameters, ring model:
+stages 0-2 move 2Ψ, stage 3 3Ψ (lesson 04 derives it; hybrid sharding, lesson 10).
+Read next: unit.py, schedule.py, flat.py, then comm.py (the collectives).
 """
 from __future__ import annotations
 
@@ -69,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
 from minishard.checkpoint import full_state
-from minishard.join import JoinState, ZeROJoinHook, announce
+from minishard.join import ZeROJoinHook
 from minishard.observe import trace
 from minishard.zero import guards
 from minishard.zero.build import build_units, replicated_predicate
@@ -77,9 +45,9 @@ from minishard.zero.config import (MixedPrecision, cast_buffers, cast_inputs, ch
                                    check_same_config, param_group_index, resolve_groups,
                                    shard_param_groups)
 from minishard.zero.flat import FlatMode
-from minishard.zero.gathers import Gatherer, Pass
+from minishard.zero.schedule import Gatherer, Pass
 from minishard.zero.meters import Meters, WrapMeter, memory_report, step_transients
-from minishard.zero.reductions import Reducer, clip_grad_norm
+from minishard.zero.schedule import Reducer, clip_grad_norm
 from minishard.zero.unit import Unit
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
@@ -87,13 +55,13 @@ __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 
 @dataclasses.dataclass(frozen=True)
 class StagePolicy:
-    flat_mode: FlatMode       # where full and shard live (flat.py): NONE, VIEW or OWN
+    flat_mode: FlatMode       # where full and shard live (flat.py): REPLICATED, VIEW or OWN
     free_grads_early: bool    # wait for a unit's reduction soon, freeing its full gradient (2, 3)
     free_after_forward: bool  # release full params between uses (stage 3)
 
 
 STAGES = {
-    0: StagePolicy(FlatMode.NONE, free_grads_early=False, free_after_forward=False),
+    0: StagePolicy(FlatMode.REPLICATED, free_grads_early=False, free_after_forward=False),
     1: StagePolicy(FlatMode.VIEW, free_grads_early=False, free_after_forward=False),
     2: StagePolicy(FlatMode.VIEW, free_grads_early=True, free_after_forward=False),
     3: StagePolicy(FlatMode.OWN, free_grads_early=True, free_after_forward=True),
@@ -136,12 +104,11 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     ``replicate`` and ``persist_below`` (parameters kept whole on every rank).
 
     ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
-    at stages 1-3 DTensors of this rank's rows (dtensors.py), as FSDP2's: build the optimizer
+    at stages 1-3 DTensors of this rank's rows (params.py), as FSDP2's: build the optimizer
     after wrapping, by name or ``p.dim()``; torch's ``clip_grad_norm_`` and ``get_state_dict(
-    model.module, opt)`` work on them. While units compute they show views of the full
-    parameters. A parameter skipped inside a unit whose others got gradients gets zeros (one
-    flat gradient per unit, as FSDP1): make it a unit of its own; a unit no rank used keeps
-    ``grad=None``. ``requires_grad_(False)`` on any parameter or module freezes exactly that.
+    model.module, opt)`` work on them. A parameter skipped inside a unit whose others got
+    gradients gets zeros (one flat gradient per unit, as FSDP1): make it a unit of its own.
+    ``requires_grad_(False)`` on any parameter or module freezes exactly that.
     """
     __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
 
@@ -179,49 +146,77 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
                                                   with_kwargs=True)
             unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
+        self._pre_backward_hooks = [_weak_hook(self, ZeRO._pre_backward, i)  # on its outputs
+                                    for i in range(len(self.units))]
         self._hooked: set[tuple[int, int]] = set()  # (unit, flat) with a post-backward hook
         self._sync_requires_grad()
-        self._meters = Meters(self.units)
-        self._gathers = Gatherer(self.units, self._meters,
+        # The event stream: ``listen(event, unit, *payload)`` for each event of the table below
+        # ("step", "gather", "forward", "free", "backward_pass", "backward", "grad", "reduce",
+        # "backward_done"). Meters listen always; Join while it runs (join.py).
+        self.listeners: list = []
+        self._gathers = Gatherer(self.units, self._emit,
                                  free_after_forward=policy.free_after_forward,
                                  bucket_bytes=bucket_bytes, prefetch=prefetch,
                                  find_unused=find_unused_parameters)
         self._reducer = Reducer(self.units, free_grads_early=policy.free_grads_early,
                                 bucket_bytes=bucket_bytes, reduce_dtype=mp.reduce_dtype,
                                 find_unused=find_unused_parameters, every_group=groups.every,
-                                log=self._meters.log)
+                                emit=self._emit)
         self._pass = Pass.FORWARD  # see _start_backward
         self._forward_open = self._accumulating = False  # _end_open_forward, _to_sharded
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
-        self._join_state = JoinState()
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
-            self._reshard(unit)
-        self._meters.note_gathered()
+            unit.reshard_after_forward = policy.free_after_forward
+            self._put_back(unit)
+        self._meters = Meters(self.units, self._reducer)
+        self.listeners.append(self._meters.heard)
 
     # --------------------------------------------------------------------------------- hooks
+    # The life of one stage-3 unit in one step, and what implements each event (unit.py:
+    # Unit; schedule.py: Gatherer, Reducer). Each emits its event (``_emit``).
+    #
+    #   pre-forward gather   all_gather shards -> full; the    _pre_forward: Gatherer.gather
+    #                        module's parameters become views  (Unit.unshard), Unit.to_unsharded
+    #   prefetch             the next unit's all_gather, async Gatherer.look_ahead
+    #   forward              the module's own code, unchanged
+    #   post-forward free    free full; stand-ins, then (at    _post_forward: Unit.reshard,
+    #                        the root's end) the shards again  _to_sharded
+    #   pre-backward gather  all_gather again when the grad    _pre_backward: Gatherer.gather,
+    #                        reaches the unit's outputs        Unit.to_unsharded(fresh=False)
+    #   backward             autograd sums the views' grads into full.grad (one flat gradient)
+    #   post-backward reduce reduce_scatter(avg) full.grad ->  _post_backward (hooked by
+    #     + free             shard.grad; free full             _sync_requires_grad):
+    #                                                          Reducer.grad_ready, Unit.reshard
+    #   end of backward      queued by backward's first hook:  _finish_backward: Reducer.finish
+    #                        wait for every reduction; free
+    #   optimizer step       the user's optimizer writes the shards in place (torch.optim)
+    #   re-gather            stages 1-2: every buffer, at the  _pre_forward (root):
+    #                        next forward                      Gatherer.refresh_stale
+    #
+    # A unit that got no gradient keeps ``grad=None``. Frozen buffers have no gradient hook; at
+    # stage 3 an identity on the unit's inputs (``_AfterBackward``) says when their unit's
+    # backward is over. Parameters kept whole (``replicate=``) live in REPLICATED buffers.
     def _pre_forward(self, i: int, module, args, kwargs):
         unit = self.units[i]
         is_root = unit.module is self.module
         in_backward = self._pass is Pass.BACKWARD  # activation checkpointing recomputes
         if is_root and not in_backward:
-            if self._join_config.enable and not self._reducer.shadowing:
-                announce(self, args, kwargs)  # Join: this rank has not joined; the plan
+            self._emit("step", unit, args, kwargs)  # Join announces this rank (join.py)
             self._end_open_forward()
-            self._meters.start_forward()
             self._sync_requires_grad()
             if not self.policy.free_after_forward:
                 self._gathers.refresh_stale()
                 for other in self.units:  # full views everywhere until backward ends
                     other.to_unsharded()
-        self._gathers.record(unit)
         self._gathers.gather(unit, Pass.FORWARD)
         unit.to_unsharded()
-        self._meters.log("forward", unit)
+        self._emit("forward", unit)
         if not in_backward:
             self._gathers.look_ahead(unit, Pass.FORWARD)
         if is_root and self.mp.param_dtype is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mp.param_dtype)
-        if self.policy.free_after_forward and torch.is_grad_enabled() and unit.has_frozen():
+        if self.policy.free_after_forward and torch.is_grad_enabled() and not all(
+                flat.requires_grad for flat in unit.flats):
             # Frozen buffers have no gradient hook to say when the unit's backward is over; an
             # identity on the unit's inputs does: its backward runs once the unit's has finished.
             leaves, spec = tree_flatten((args, kwargs))
@@ -231,21 +226,20 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
 
     def _post_forward(self, i: int, module, args, output):
         unit = self.units[i]
+        is_root = unit.module is self.module
         self._forward_open = True
-        if unit.module is self.module:
+        if is_root:
             self._gathers.order_recorded = True
-            if not torch.is_grad_enabled() and not self.policy.free_after_forward:
-                self._to_sharded()  # no backward follows
         if torch.is_grad_enabled():
             outputs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(_weak_hook(self, ZeRO._pre_backward, i))
+                    t.register_hook(self._pre_backward_hooks[i])
         # During backward (activation-checkpoint recomputation) the params are still needed.
-        if self.policy.free_after_forward and self._pass is not Pass.BACKWARD:
-            unit.release(self._meters.on_free)  # stand-ins: another unit's read is named
-            if unit.module is self.module:
-                self._to_sharded()  # the forward is over: the user parameters again
+        if self._pass is not Pass.BACKWARD:
+            self._reshard(unit)  # stage 3: stand-ins, so another unit's read is named
+            if is_root and (unit.reshard_after_forward or not torch.is_grad_enabled()):
+                self._to_sharded()  # the user parameters again: stage 3, or no backward follows
 
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
@@ -253,39 +247,46 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._gathers.gather(unit, Pass.BACKWARD)
         if self.policy.free_after_forward:
             unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
-        self._meters.log_backward(unit)
+        self._emit("backward", unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
     def _post_backward(self, i: int, j: int, full: torch.Tensor) -> None:
         """Flat buffer ``j`` of unit ``i`` has its whole gradient in ``full.grad``."""
         unit = self.units[i]
         self._start_backward()
-        self._meters.note_full_grads(self._reducer.in_flight_bytes())
+        self._emit("grad", unit)
         if self.require_backward_grad_sync:
-            self._reducer.grad_ready(unit, j)
-        if self.policy.free_after_forward:
-            unit.release(self._meters.on_free, j)
+            self._reducer.grad_ready(unit, unit.flats[j])
+        self._reshard(unit, j)
 
     def _release_frozen(self, i: int) -> None:  # after the backward of a unit with frozen flats
-        self.units[i].release_frozen(self._meters.on_free)
+        self._reshard(self.units[i], frozen_only=True)
 
     def _start_backward(self) -> None:
         if self._pass is not Pass.BACKWARD:
             self._pass = Pass.BACKWARD
-            self._meters.start_backward()
+            self._emit("backward_pass")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass: the reductions not
-        launched yet are launched, every one is waited for (reductions.py), stage 3 frees."""
+        launched yet are launched, every one is waited for (schedule.py), stage 3 frees."""
         self._reducer.finish(self.require_backward_grad_sync)
-        self._join_state.backward_done(self.require_backward_grad_sync)
-        if self.policy.free_after_forward:
-            for unit in self.units:
-                unit.release(self._meters.on_free)
+        self._emit("backward_done")
+        for unit in self.units:
+            self._reshard(unit)
         self._accumulating = not self.require_backward_grad_sync  # the step goes on
         self._to_sharded()
         self._pass = Pass.FORWARD
+
+    def _reshard(self, unit: Unit, j: int | None = None, frozen_only: bool = False) -> None:
+        """Unit.reshard (a no-op but at stage 3), and the event if it freed anything."""
+        if unit.reshard(j, frozen_only):
+            self._emit("free", unit)
+
+    def _emit(self, event: str, unit: Unit | None = None, *payload) -> None:
+        for listen in self.listeners:
+            listen(event, unit, *payload)
 
     def _to_sharded(self) -> None:
         """The user parameters again; inside one step (after a no_sync backward) still current."""
@@ -329,9 +330,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, with no gradient communication: each unit keeps its
-        FULL gradient (more memory) until the first backward outside the block reduces the sum
-        (stage 3 still all-gathers the parameters it freed, as FSDP does). Without it, every
-        backward reduces: less memory, more communication, the same numbers."""
+        FULL gradient until the first backward outside the block reduces the sum (stage 3
+        still all-gathers the parameters it freed, as FSDP does)."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
@@ -340,50 +340,43 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the WHOLE model by its global norm, as torch's does on the
-        unsharded model; returns the total norm before clipping (reductions.clip_grad_norm).
-        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` gives the same."""
+        unsharded model (and on ``model.parameters()``); returns the norm before clipping."""
         return clip_grad_norm(self.units, self.group, self.stage > 0, max_norm, norm_type)
 
     @contextlib.contextmanager
     def gathered(self, writeback: bool = True):
-        """Full parameters visible on every rank inside the block (like FSDP's
-        ``summon_full_params``), in the master dtype, under ``torch.no_grad()``. Edits are kept
-        with ``writeback``; without it stage 3 drops them, stages 0-2 keep them anyway (full and
-        shards share storage there). Under mixed precision the block shows the fp32 masters
-        gathered from the shards and writes back only an edited shard: never a rounded one."""
+        """Full parameters visible on every rank inside the block (FSDP's ``summon_full_params``)
+        in the master dtype, under ``torch.no_grad()``. Edits are kept with ``writeback`` (stages
+        0-2 keep them anyway: full and shards share storage); under mixed precision it shows the
+        fp32 masters and writes back only an edited shard, never a rounded one."""
         self._end_open_forward()
-        with full_state.gathered(self.units, writeback, self._meters.on_gather, self._reshard):
+        with full_state.gathered(self.units, writeback, lambda u: self._emit("gather", u),
+                                 self._put_back):
             yield self.module
 
-    def _reshard(self, unit: Unit) -> None:
+    def _put_back(self, unit: Unit) -> None:
         """What a unit shows between steps: its user parameters (stage 3 frees full)."""
-        if self.policy.free_after_forward:
-            unit.release(self._meters.on_free)
+        self._reshard(unit)
         unit.to_sharded()
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The unwrapped module's state dict: original names, full tensors, on every rank.
-
-        With ``rank0_only`` (FSDP's name), only rank 0 keeps it and the others return ``{}``:
-        the model is gathered one flat buffer at a time into ONE staging buffer (full_state.
-        Staging), so another rank allocates exactly the largest buffer's N x k gather rows."""
+        """The unwrapped module's state dict: original names, full tensors, on every rank; with
+        ``rank0_only`` (FSDP's name) only rank 0 keeps it, the others return ``{}`` (gathered
+        one flat buffer at a time into one staging buffer: checkpoint/full_state.py)."""
         return full_state.full_state_dict(self.units, self.module, self.state_keys,
                                           self.every_group, rank0_only)
 
     def load_full_state_dict(self, state_dict: dict[str, torch.Tensor] | None,
                              from_rank0: bool = False) -> None:
-        """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s.
-
-        With ``from_rank0``, only rank 0's ``state_dict`` is read (the others may pass None):
-        rank 0 checks it and tells every rank its verdict, then broadcasts it one flat buffer
-        at a time through one staging buffer (the largest's size), each rank keeping its rows."""
+        """Load a full (unsharded) state dict of the unwrapped module, e.g. ``full_state_dict()``'s;
+        with ``from_rank0`` only rank 0's is read (the others may pass None): it checks it, tells
+        every rank its verdict, then broadcasts it one flat buffer at a time."""
         full_state.load_full_state_dict(self.units, self.module, self.state_keys,
                                         self.every_group, state_dict, from_rank0)
 
     def record_events(self):
         """A context manager yielding the list of what the engine does per unit, in order
-        ("gather", "forward", "free", "backward", "reduce"), each with a time stamp and the
-        full-parameter bytes gathered then (tutorial 05 prints it as a timeline)."""
+        ("gather", "forward", "free", "backward", "reduce"), timed (tutorial 05's timeline)."""
         return self._meters.recording()
 
     peak_gathered_bytes = property(lambda self: self._meters.peak_gathered_bytes,

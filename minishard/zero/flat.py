@@ -1,86 +1,125 @@
 """FlatBuffer: one unit's communication buffer, and each parameter's shard cut along dim 0.
 
 Every parameter is cut into N chunks of rows, as FSDP2 cuts it: with R rows, each rank gets
-c = ceil(R / N) rows (the last ones fewer, maybe none), padded to c rows for the collectives.
-Rank r's *shard* puts its chunk of every parameter side by side. For a (3x2), b (3), c (5), N=2::
+c = ceil(R / N) rows (the last ones fewer, maybe none), padded to c rows for the collectives
+(:class:`Layout`: the arithmetic, no storage). Rank r's *shard* puts its chunk of every parameter
+side by side. For a (3x2), b (3), c (5), N=2::
 
     a: rows 0-1 -> rank 0, row 2 + one pad row -> rank 1        (c=2 rows of 2: width 4)
-    b: b0 b1 -> rank 0, b2 + pad -> rank 1                      (width 2)
-    c: c0 c1 c2 -> rank 0, c3 c4 + pad -> rank 1                (width 3)
-
     rank 0's shard = [a0 a1 | b0 b1 | c0 c1 c2]        k = 4 + 2 + 3 = 9 elements on every rank
     rank 1's shard = [a2 _  | b2 _  | c3 c4 _ ]        (_ : padding, always zero)
-
-The *user parameters* (what ``model.parameters()`` gives and the optimizer steps) are DTensors
-of global shape (3, 2) whose local tensor is this rank's rows: (2, 2) on rank 0, (1, 2) on rank 1
-(dtensors.py). So names, shapes and ``p.dim()`` stay, any one parameter can be frozen, and
-torch's clip and state-dict tools see a shard. A 0-dim parameter is replicated: every rank's
-one-element chunk holds it.
-
-``full`` is the buffer the module computes with, parameter by parameter (each padded to N chunks)::
-
     full = [a0 a1 a2 _ | b0 b1 b2 _ | c0 c1 c2 c3 c4 _ ]        N * k = 18 elements
-    all-gather out = [rank 0's shard | rank 1's shard]  (N x k); *copy-out* (one op): full's
-    region of a, viewed as (N, 4), is the gathered columns of a, and so on.
 
-The module's parameters are views of ``full`` while a unit computes, so autograd sums their
-gradients into ``full.grad`` in that layout; before the reduce-scatter, *copy-in* (one op)
-puts it in the rank-major (N x k) layout, and rank r receives its k elements: the gradient of
-its rows of every parameter, which become the user parameters' ``.grad`` (views, no copy). One
-collective per unit; the price is one copy of the unit's bytes per gather and per reduction
-(none when a unit has one parameter, or N = 1; FSDP2 always copies in and out). FSDP1 and
-DeepSpeed's stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): FSDP1 then
-gathers and reduces with no copy, but 1-D pieces across parameter boundaries lose names, shapes
-and per-parameter freezing. (DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to
-1-D: elements, not rows.)
+The *user parameters* are DTensors of global shape (3, 2) whose local tensor is this rank's rows
+(params.py). ``full`` is what the module computes with: its parameters are views of it while a
+unit computes, so autograd sums their gradients into ``full.grad``. The collectives, one per unit
+(or bucket), are the functions below the class: :func:`gather_params` (all-gather, then
+*copy-out* into full's layout, one op) and :func:`reduce_grads` (*copy-in* to the rank-major
+N x k layout, one op, then reduce-scatter: rank r receives the gradient of its rows).
 
-Padding costs up to (N-1) rows per parameter: ``padded_numel - numel`` elements, moved by every
-collective and held by stage 3's ``full``; tests/test_zero.py asserts the bytes.
+Where the tensors live is the buffer's :class:`FlatMode` (engine.py's stage table picks it):
 
-Where the tensors live is the buffer's :class:`FlatMode` (zero.py's stage table picks it):
+    mode        full                       the user parameters are views of
+    REPLICATED  always (stage 0, N = 1,    full (the whole parameters; all-reduced gradients)
+                ``replicate=``)
+    VIEW        always (stages 1-2)        full: this rank's rows of each parameter's region
+    OWN         only while gathered (3)    ``shard``: k elements of their own
 
-    mode      full                       the user parameters are views of
-    NONE      always (stage 0, N = 1,    full (the whole parameters)
-              replicated parameters)
-    VIEW      always (stages 1-2)        full: this rank's rows of each parameter's region
-    OWN       only while gathered (3)    ``shard``: k elements of their own
-
-``replicate_group`` (hybrid sharding on a 2-D mesh): the buffer is cut across ``group`` (the
-ranks of one node, say) and that whole group is replicated R times. Gathers stay inside
-``group``; a gradient is reduce-scattered (avg) inside ``group``, then this rank's k elements are
-all-reduced (avg) across its replicas: the mean over all R·S ranks, having crossed nodes only
-as a 1/S-sized piece::
-
-    per rank per step, stage 3:  3Ψ(S-1)/S inside the group  +  2(Ψ/S)(R-1)/R across replicas
-
-A *replicated* buffer (``ZeRO(replicate=...)`` or ``persist_below``) is mode NONE inside a sharded
-engine: one chunk, the whole parameters on every rank, its ``group`` every rank of the engine.
-Its user parameters are ``Replicate()`` DTensors, it is never gathered nor freed, and its
-gradient is all-reduced (avg) as at stage 0. Buffers share a collective only with buffers of
-the same kind (:func:`collective_key`).
-
-``mixed precision`` (``param_dtype``): full is kept in the compute dtype and ``shard`` holds the
-fp32 values; gathers send them cast to ``param_dtype``. So a VIEW buffer becomes OWN under a
-cast, decided where it is built (:meth:`FlatMode.under_cast`).
+Mixed precision (``param_dtype``): full holds the compute dtype, ``shard`` the fp32 masters, so
+a VIEW buffer becomes OWN under a cast. Hybrid sharding (``replicate_group``): the gradient is
+reduce-scattered inside ``group``, then all-reduced across the replicas (lesson 10).
 """
 from __future__ import annotations
 
 import enum
+import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from minishard import comm
 from minishard.zero.params import Spec, local
-from minishard.zero.layout import Layout, rows_of
 
-__all__ = ["FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in", "copy_out",
-           "collective_key", "rows_of"]
+__all__ = ["Layout", "FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in",
+           "copy_out", "collective_key", "rows_of"]
 
+
+# ------------------------------------------------------------------------------ the layout
+def rows_of(n_rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The rows [lo, hi) of a dim-0 cut into ``ranks`` chunks of ceil(n_rows / ranks) that
+    ``rank`` holds (empty for the last ranks when there are fewer rows than ranks)."""
+    c = math.ceil(n_rows / ranks)
+    return min(rank * c, n_rows), min((rank + 1) * c, n_rows)
+
+
+class Layout:
+    """Where every row of a unit's parameters sits, and nothing else (no storage): parameters
+    of ``shapes`` cut along dim 0 into ``chunks`` pieces, seen from the holder of piece
+    ``chunk`` (the module docstring's picture)."""
+
+    def __init__(self, shapes: list[torch.Size], chunks: int, chunk: int) -> None:
+        self.shapes = shapes
+        self.numels = [math.prod(s) for s in shapes]
+        self.numel = sum(self.numels)
+        # each parameter is cut into ``chunks`` (N, or 1 at stage 0); ours is number ``chunk``
+        self.chunks, self.chunk = n, r = chunks, chunk
+        self.n_rows = [s[0] if len(s) else 1 for s in shapes]   # a 0-dim param: one row
+        self.row_numels = [math.prod(s[1:]) for s in shapes]
+        self.widths = [math.ceil(rows / n) * m for rows, m in zip(self.n_rows, self.row_numels)]
+        self.offsets = [sum(self.widths[:j]) for j in range(len(shapes))]  # in the shard
+        self.shard_numel = sum(self.widths)                  # k: what each rank sends
+        self.padded_numel = n * self.shard_numel
+        # the rows this rank owns (FSDP2's torch.chunk cut: a 0-dim parameter is one row, rank
+        # 0's), and those it holds: the same, but every rank holds a 0-dim one (replicated)
+        self.owned_rows = [rows_of(rows, n, r) for rows in self.n_rows]
+        self.row_ranges = [cut if len(s) else (0, 1) for cut, s in zip(self.owned_rows, shapes)]
+        self.scalars = [j for j, s in enumerate(shapes) if not len(s) and n > 1]
+        self.shard_real = sum((hi - lo) * m for (lo, hi), m in zip(self.row_ranges,
+                                                                    self.row_numels))
+        # full and the shards have the same layout when each rank's shard is one piece of full
+        self.same_layout = n == 1 or (len(shapes) == 1 and not self.scalars)
+
+    def is_replicated(self, j: int) -> bool:
+        """Does every holder hold all of parameter j (one chunk, or a 0-dim parameter)?"""
+        return self.chunks == 1 or j in self.scalars
+
+    def regions(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's padded region of a full-layout tensor, viewed (N, width_j): row r
+        is what rank r holds of it."""
+        n = self.chunks
+        return [full[n * at:n * (at + w)].view(n, w) for at, w in zip(self.offsets, self.widths)]
+
+    def region(self, full: torch.Tensor, j: int) -> torch.Tensor:
+        return self.regions(full)[j]
+
+    def param_in(self, full: torch.Tensor, j: int) -> torch.Tensor:
+        """Parameter j's values in a full-layout tensor, shaped like it (padding left out)."""
+        return self.region(full, j).view(-1)[:self.numels[j]].view(self.shapes[j])
+
+    def shard_of(self, full: torch.Tensor, r: int) -> torch.Tensor:
+        """Rank r's shard (k elements, padded) cut out of a full-layout tensor: a copy."""
+        return torch.cat([region[r] for region in self.regions(full)])
+
+    def shard_shape(self, j: int) -> torch.Size:
+        """Parameter j's shape on this rank: its rows (the whole shape on one rank, or of a
+        0-dim parameter)."""
+        if self.chunks == 1 or not len(self.shapes[j]):
+            return self.shapes[j]
+        lo, hi = self.row_ranges[j]
+        return torch.Size([hi - lo, *self.shapes[j][1:]])
+
+    def my_rows(self, j: int, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of parameter j's full ``value``, shaped like its shard."""
+        lo, hi = self.row_ranges[j]
+        return value.reshape(self.n_rows[j], self.row_numels[j])[lo:hi].view(self.shard_shape(j))
+
+
+# ------------------------------------------------------------------------------ the buffer
 
 class FlatMode(enum.Enum):
     """Where a flat buffer's full tensor and shards live (the table in the module docstring)."""
-    NONE = enum.auto()  # not sharded (stage 0): the parameters are views of full
+    REPLICATED = enum.auto()  # not sharded (stage 0, replicate=): the parameters are views of full
     VIEW = enum.auto()  # full always kept; the shards are views of this rank's rows in it
     OWN = enum.auto()   # the shards own their storage (``shard``); full exists while gathered
 
@@ -99,13 +138,13 @@ class FlatBuffer(Layout):
                  param_dtype: torch.dtype | None = None, name: str = "",
                  replicate_group=None, device: torch.device | None = None,
                  spec: Spec | None = None) -> None:
-        assert mode is not FlatMode.NONE or replicate_group is None, \
+        assert mode is not FlatMode.REPLICATED or replicate_group is None, \
             "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
-        self.spec = spec  # stages 1-3: the user parameters are DTensors (dtensors.py)
+        self.spec = spec  # stages 1-3: the user parameters are DTensors (params.py)
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
-        sharded = mode is not FlatMode.NONE  # stage 0: one chunk, the whole of each parameter
+        sharded = mode is not FlatMode.REPLICATED  # stage 0: one chunk, the whole of each parameter
         super().__init__([p.shape for p in params], self.world if sharded else 1,
                          self.rank if sharded else 0)
         first = params[0]
@@ -142,10 +181,12 @@ class FlatBuffer(Layout):
         if mode is FlatMode.OWN and self.shard is None:
             self.shard = self.shard_of(values, self.chunk)
             values = values.to(self.param_dtype)
-        elif cast and mode is FlatMode.NONE:  # mixed precision: fp32 master, cast full
+        elif cast and mode is FlatMode.REPLICATED:  # mixed precision: fp32 master, cast full
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
         self.current = False  # full holds the shards as they are now (needs_gather)
+        # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
+        self.dspecs = [spec.of(shape, self.dtype) for shape in self.shapes] if spec else []
 
     # ----------------------------------------------------------------- the user parameters
     def shard_views(self) -> list[torch.Tensor]:
@@ -158,14 +199,14 @@ class FlatBuffer(Layout):
             n = (hi - lo) * m
             if self.mode is FlatMode.OWN:
                 piece = self.shard[self.offsets[j]:self.offsets[j] + n]
-            else:  # this rank's chunk of the parameter's region (NONE: the whole of it)
+            else:  # this rank's chunk of the parameter's region (REPLICATED: the whole of it)
                 piece = self.region(source, j)[self.chunk][:n]
             out.append(piece.view(self.shard_shape(j)))
         return out
 
     def adopt(self, originals: list[nn.Parameter]) -> list[nn.Parameter]:
         """The user parameters: at stages 1-3 a new ``nn.Parameter`` per original, a DTensor
-        of this rank's rows (dtensors.py); at stage 0 the original itself, re-pointed
+        of this rank's rows (params.py); at stage 0 the original itself, re-pointed
         (``p.data``) at its view of ``full``, unless it cannot be (on the meta device, or on
         another device or dtype). A gradient from before wrapping keeps this rank's rows."""
         self.params, self.locals = [], self.shard_views()
@@ -185,11 +226,12 @@ class FlatBuffer(Layout):
     def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
         """This rank's ``rows`` of parameter j (or of its gradient, or state shaped like it) as
         the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""
-        return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
+        if self.spec is None or rows.dtype != self.dtype:  # (state in another dtype: its spec)
+            return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
+        return DTensor(rows, self.dspecs[j], requires_grad=False)  # rows or a gradient's
 
     def sync_requires_grad(self) -> None:
-        """The user parameters' ``requires_grad`` is the truth: ``full`` needs a gradient when
-        any of them does."""
+        """``full`` needs a gradient when any user parameter does (theirs is the truth)."""
         self.requires_grad = any(p.requires_grad for p in self.params)
         self.full.requires_grad_(self.requires_grad)
 
@@ -230,7 +272,7 @@ class FlatBuffer(Layout):
         """Must a gather refresh ``full`` before the module reads it? Never when full IS the
         parameters (stage 0 without a cast); else when it is freed, or when the shards were
         handed back to the user since it was gathered (:meth:`mark_stale`)."""
-        if self.mode is FlatMode.NONE and self.shard is None:
+        if self.mode is FlatMode.REPLICATED and self.shard is None:
             return False
         return not self.is_gathered or not self.current
 
@@ -276,7 +318,7 @@ class FlatBuffer(Layout):
 
     def add_shard_grad(self, piece: torch.Tensor) -> None:
         """Accumulate this rank's reduced ``piece`` (k elements, or the whole buffer in mode
-        NONE) into the user parameters' ``.grad`` (views of it, padding dropped, in the master
+        REPLICATED) into the user parameters' ``.grad`` (views of it, padding dropped, in the master
         dtype). A frozen parameter's grad stays None."""
         for j, (p, rows) in enumerate(zip(self.params, self.locals)):
             if not p.requires_grad:
@@ -291,12 +333,20 @@ class FlatBuffer(Layout):
 
 def collective_key(flat: FlatBuffer) -> tuple:
     """Buffers with equal keys may share one collective: one compute dtype, and all sharded
-    (over their shard group) or all whole (mode NONE: stage 0, or ``ZeRO(replicate=...)``'s
+    (over their shard group) or all whole (mode REPLICATED: stage 0, or ``ZeRO(replicate=...)``'s
     buffers, over every rank)."""
-    return flat.param_dtype, flat.mode is FlatMode.NONE
+    return flat.param_dtype, flat.mode is FlatMode.REPLICATED
 
 
 # ------------------------------------------------------------------------------- the bytes
+# [Note: the cut] Padding costs up to (N-1) rows per parameter (``padded_numel - numel``
+# elements, moved by every collective and held by stage 3's ``full``; tests/test_zero.py asserts
+# the bytes). The price of copy-in/copy-out is one copy of the unit's bytes per gather and per
+# reduction (none when a unit has one parameter, or N = 1; FSDP2 always copies). FSDP1 and
+# DeepSpeed's stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copy,
+# but 1-D pieces across parameter boundaries lose names, shapes and per-parameter freezing.
+# DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to 1-D: elements, not rows.
+
 def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tensor) -> None:
     """Full-layout gradients of ``flats`` into ``send`` (N x their k's, rank-major): row r is
     what rank r receives. One op; then a replicated 0-dim parameter's column (its gradient sits
@@ -334,7 +384,7 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
     with torch.no_grad():
         for flat in flats:
             flat.mark_current()
-        if first.mode is FlatMode.NONE:  # every rank holds all of it in fp32
+        if first.mode is FlatMode.REPLICATED:  # every rank holds all of it in fp32
             for flat in flats:
                 flat.full.data.copy_(flat.shard)
             return comm.Handle()
@@ -362,7 +412,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
     the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
-    Mode NONE (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
+    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
     after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
     the buffers must sit side by side in the buffer we send (rank-major, :func:`copy_in`)::
 
@@ -375,7 +425,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     first = flats[0]
     grads = [f.take_grad(reduce_dtype) for f in flats]
     tag = "+".join(f.name for f in flats)
-    if first.mode is FlatMode.NONE:
+    if first.mode is FlatMode.REPLICATED:
         send = grads[0] if len(grads) == 1 else torch.cat(grads)
         handle = comm.all_reduce(send, "avg", first.group, async_op=True, tag=tag)
         out, sizes = send, [f.padded_numel for f in flats]

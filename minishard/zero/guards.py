@@ -2,7 +2,7 @@
 say what to do. Each is set up once, when the engine wraps a model; none costs a step anything.
 
 1. **A state dict of shards** (:func:`guard_parameters`): at stages 1-3 the module's parameters
-   are DTensors (dtensors.py), so ``model.module.state_dict()`` holds DTensors, as FSDP2's
+   are DTensors (params.py), so ``model.module.state_dict()`` holds DTensors, as FSDP2's
    does: no collective (nothing hangs), and a file of them cannot load into a plain model as if
    it were whole (``copy_`` refuses a DTensor). ``load_state_dict`` takes DTensors, or FULL
    plain tensors: each rank keeps its rows of each.

@@ -1,6 +1,7 @@
 """Meters: what the engine holds and does, measured where it happens.
 
-* :class:`Meters` counts the full parameters gathered now and at most (stage 3's peak), the full
+* :class:`Meters` listens to the engine's event stream (engine.py: ``listeners``) and counts
+  the full parameters gathered now and at most (stage 3's peak), the full
   gradients alive at most during backward, and, inside ``model.record_events()``, a timeline of
   what happened to each unit ("gather", "forward", "free", "backward", "reduce").
 * :class:`WrapMeter` counts the parameter and buffer bytes held while wrapping.
@@ -10,31 +11,7 @@
 
 Meters only read: nothing here changes a tensor or issues a collective.
 
-[Note: a step's memory] The most bytes one training step (forward and backward; the
-optimizer's ``step`` is the user's) allocates beyond what the rank held before it. Activations
-are the module's own and not counted. U is the largest unit's full parameters, Ug the largest
-gather (U, or ``bucket_bytes`` at stage 3), Ur the largest reduction (a unit's full gradient,
-plus ``bucket_bytes``: a bucket launches once it holds that many), Psi every trainable unit's
-full gradient, N the shard group's size::
-
-    gathered parameters   stage 3: the root unit + (1 + prefetch) Ug
-    gather staging        stage 3: Ug (the N x k rows a gather lands from; none at N = 1)
-    autograd gradients    the unit in backward: each parameter's gradient and the flat gradient
-                          they fill, 2 U (+ U cast to reduce_dtype)
-    full gradients        stages 0-1 (and find_unused): Psi, until the end of backward;
-                          stages 2-3: those waiting in the bucket, bucket_bytes, and the
-                          replicated parameters' (``replicate=``), Psi_r
-    reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out),
-                          + Psi_r (the replicated ones' all-reduced copy);
-                          stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
-    shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0 and
-                          replicated buffers: views of the all-reduced copy, or a cast of them)
-    kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
-                          comm.FINISHED_KEPT_BY_BACKEND x the largest one
-
-Stages 1-2 re-gather in forward, two buckets of about ``config.BUCKET_BYTES`` in flight: the
-step's peak is the larger of that and backward's. tests/test_memory_wall.py measures every
-configuration against it with :class:`~minishard.observe.allocations.Allocations`.
+The formula's derivation: [Note: a step's memory], above :func:`step_transients`.
 """
 from __future__ import annotations
 
@@ -47,22 +24,24 @@ from minishard import comm
 from minishard.zero import config
 from minishard.zero.params import local
 from minishard.zero.flat import FlatMode
-from minishard.zero.gathers import MAX_GATHERS_IN_FLIGHT
-from minishard.zero.reductions import MAX_REDUCTIONS_IN_FLIGHT
+from minishard.zero.schedule import MAX_GATHERS_IN_FLIGHT
+from minishard.zero.schedule import MAX_REDUCTIONS_IN_FLIGHT
 
 __all__ = ["Meters", "WrapMeter", "memory_report", "step_transients"]
 
 
 class Meters:
-    """Byte counts and the event timeline of one engine's units."""
+    """Byte counts and the event timeline of one engine's units: a listener on the engine's
+    event stream (engine.py), fed every event of every step."""
 
-    def __init__(self, units) -> None:
-        self.units = units
+    def __init__(self, units, reducer) -> None:
+        self.units, self.reducer = units, reducer
         self.events: list[dict] | None = None  # a list only inside recording()
         self.gathered_bytes = 0
         self.peak_gathered_bytes = 0
         self.peak_full_grad_bytes = 0
         self._backward_logged: set[str] = set()  # units whose backward has begun
+        self.note_gathered()
 
     @contextlib.contextmanager
     def recording(self):
@@ -77,46 +56,31 @@ class Meters:
             if outer is not None:
                 outer.extend(events)
 
-    def log(self, event: str, unit) -> None:
+    def heard(self, event: str, unit=None, *payload) -> None:
+        """One event of the engine's: counts what it changes, logs the timeline's events."""
+        if event == "step":  # a new step: the gathered peak restarts from what is gathered now
+            self.peak_gathered_bytes = self.gathered_bytes
+        elif event == "backward_pass":
+            self.peak_full_grad_bytes, self._backward_logged = 0, set()
+        elif event == "grad":  # full gradients alive: not reduced yet, or in a reduction
+            held = sum(f.full.grad.untyped_storage().nbytes() for u in self.units
+                       for f in u.flats if f.full.grad is not None)
+            held += self.reducer.in_flight_bytes()
+            self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
+        if event in ("gather", "free"):
+            self.note_gathered()
+        elif event == "backward" and unit.name not in self._backward_logged:
+            self._backward_logged.add(unit.name)  # once per backward, whichever output first
+        elif event not in ("forward", "reduce"):
+            return
         if self.events is not None:
             self.events.append({"t": time.perf_counter(), "event": event, "unit": unit.name,
                                 "gathered_bytes": self.gathered_bytes})
-
-    def start_forward(self) -> None:
-        """A new step: the gathered peak restarts from what is gathered now."""
-        self.peak_gathered_bytes = self.gathered_bytes
-
-    def start_backward(self) -> None:
-        self.peak_full_grad_bytes = 0
-        self._backward_logged = set()
-
-    def log_backward(self, unit) -> None:
-        """A unit's backward starts: once per backward, whichever of its outputs' gradients
-        arrives first (a unit returning several tensors hooks each)."""
-        if unit.name not in self._backward_logged:
-            self._backward_logged.add(unit.name)
-            self.log("backward", unit)
-
-    def on_gather(self, unit) -> None:
-        self.note_gathered()
-        self.log("gather", unit)
-
-    def on_free(self, unit) -> None:
-        self.note_gathered()
-        self.log("free", unit)
 
     def note_gathered(self) -> None:
         self.gathered_bytes = sum(f.full_bytes() for u in self.units for f in u.flats
                                   if f.mode is FlatMode.OWN and f.is_gathered)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
-    def note_full_grads(self, in_flight_bytes: int) -> None:
-        """Full (unsharded) gradient bytes alive now: accumulated and not yet reduced, or in a
-        reduction still in flight. Stage 1 holds them all at the end of backward; 2 and 3 a few."""
-        held = sum(f.full.grad.untyped_storage().nbytes() for u in self.units for f in u.flats
-                   if f.full.grad is not None)
-        held += in_flight_bytes
-        self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
 
 
 class WrapMeter:
@@ -181,6 +145,31 @@ def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
     return flat.padded_numel * (dtype or flat.param_dtype).itemsize
 
 
+# [Note: a step's memory] The most bytes one training step (forward and backward; the
+# optimizer's ``step`` is the user's) allocates beyond what the rank held before it. Activations
+# are the module's own and not counted. U is the largest unit's full parameters, Ug the largest
+# gather (U, or ``bucket_bytes`` at stage 3), Ur the largest reduction (a unit's full gradient,
+# plus ``bucket_bytes``: a bucket launches once it holds that many), Psi every trainable unit's
+# full gradient, N the shard group's size::
+#
+#     gathered parameters   stage 3: the root unit + (1 + prefetch) Ug
+#     gather staging        stage 3: Ug (the N x k rows a gather lands from; none at N = 1)
+#     autograd gradients    the unit in backward: each parameter's gradient and the flat gradient
+#                           they fill, 2 U (+ U cast to reduce_dtype)
+#     full gradients        stages 0-1 (and find_unused): Psi, until the end of backward;
+#                           stages 2-3: those waiting in the bucket, bucket_bytes, and the
+#                           replicated parameters' (``replicate=``), Psi_r
+#     reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out),
+#                           + Psi_r (the replicated ones' all-reduced copy);
+#                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
+#     shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0 and
+#                           replicated buffers: views of the all-reduced copy, or a cast of them)
+#     kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
+#                           comm.FINISHED_KEPT_BY_BACKEND x the largest one
+#
+# Stages 1-2 re-gather in forward, two buckets of about ``config.BUCKET_BYTES`` in flight: the
+# step's peak is the larger of that and backward's. tests/test_memory_wall.py measures every
+# configuration against it with :class:`~minishard.observe.allocations.Allocations`.
 def step_transients(model) -> dict[str, int]:
     """[Note: a step's memory], buffer by buffer, for ZeRO engine ``model``."""
     units, root, policy = model.units, model.module, model.policy
@@ -193,11 +182,11 @@ def step_transients(model) -> dict[str, int]:
     trainable = [f for f in flats if f.requires_grad]
     if not trainable:
         return {}
-    sharded = policy.flat_mode is not FlatMode.NONE
+    sharded = policy.flat_mode is not FlatMode.REPLICATED
     # replicated buffers in a sharded engine: all-reduced from their own bucket, which waits
-    # for config.BUCKET_BYTES of them or the end of backward (reductions.py)
+    # for config.BUCKET_BYTES of them or the end of backward (schedule.py)
     whole = sum(_grad_bytes(f, reduce_dtype) for f in trainable
-                if sharded and f.mode is FlatMode.NONE)
+                if sharded and f.mode is FlatMode.REPLICATED)
     unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
     grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
     reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)

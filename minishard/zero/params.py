@@ -74,18 +74,20 @@ class Spec:
         row = Shard(0) if len(shape) and not self.whole else Replicate()
         return (Replicate(),) * (self.mesh.ndim - 1) + (row,)
 
-    def wrap(self, rows: torch.Tensor, shape: torch.Size) -> DTensor:
-        """``rows`` (this rank's, a view: no copy) as the DTensor of global ``shape``. Built
-        as FSDP2 builds its own (``_from_local_no_grad``): from a DTensorSpec made once per
-        shape and dtype, not through ``DTensor.from_local`` (~36 us a call here, a gradient
-        per parameter per step)."""
-        key = (shape, rows.dtype)
-        spec = self._specs.get(key)
+    def of(self, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+        """The DTensorSpec of a user tensor of global ``shape`` and ``dtype``, made once. A
+        DTensor is built from it as FSDP2 builds its own (``_from_local_no_grad``), not through
+        ``DTensor.from_local`` (~36 us a call here, a gradient per parameter per step)."""
+        spec = self._specs.get((shape, dtype))
         if spec is None:
             stride = torch.empty(shape, device="meta").stride()
-            spec = self._specs[key] = DTensorSpec(self.mesh, self.placements(shape),
-                                                  TensorMeta(shape, stride, rows.dtype))
-        return DTensor(rows, spec, requires_grad=False)
+            spec = self._specs[shape, dtype] = DTensorSpec(self.mesh, self.placements(shape),
+                                                           TensorMeta(shape, stride, dtype))
+        return spec
+
+    def wrap(self, rows: torch.Tensor, shape: torch.Size) -> DTensor:
+        """``rows`` (this rank's, a view: no copy) as the DTensor of global ``shape``."""
+        return DTensor(rows, self.of(shape, rows.dtype), requires_grad=False)
 
 
 # torch's functional collectives that DTensor calls -> (comm's op, is the input 1/N of it)

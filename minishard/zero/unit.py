@@ -1,16 +1,16 @@
 """A unit: one module, the flat buffers of the parameters it owns, and the work done on them.
 
-zero.py says WHEN each unit is gathered, released and reduced; this file says WHAT that does to
+engine.py says WHEN each unit is gathered, resharded and reduced; this file says WHAT that does to
 one unit; flat.py says HOW the bytes move. A unit's work, by event:
 
-    gather         every flat buffer that needs it (``FlatBuffer.needs_gather``) all-gathers
+    unshard        every flat buffer that needs it (``FlatBuffer.needs_gather``) all-gathers
                    its shards into ``full``
     to_unsharded   every place a parameter appears now holds its view of ``full``
     to_sharded     every place holds the user parameter again: this rank's shard of it (the
                    whole parameter at stage 0), what ``named_parameters()`` gives between steps
-    release        (stage 3) ``full``'s storage is freed, and the places show stand-ins until
+    reshard        (stage 3) ``full``'s storage is freed, and the places show stand-ins until
                    ``to_sharded``
-    gradients      the hook zero.py puts on each trainable buffer's ``full`` fires when autograd
+    gradients      the hook engine.py puts on each trainable buffer's ``full`` fires when autograd
                    has summed the views' gradients into ``full.grad``: the engine reduces it
 
 A place is the module's own ``_parameters`` entry: it holds the user parameter at rest and a
@@ -24,7 +24,7 @@ parameters and their places (state dicts list every place, as ``module.state_dic
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -83,6 +83,7 @@ class Unit:
     def __init__(self, name: str, module: nn.Module) -> None:
         self.name, self.module = name, module
         self.flats: list[FlatBuffer] = []
+        self.reshard_after_forward = False  # stage 3 (FSDP2's name): free full after each use
         self._params: list[list[Param]] = []        # [flat][param]
         self._shown: list[list[torch.Tensor]] = []  # [flat][param] -> its unsharded view
 
@@ -105,31 +106,23 @@ class Unit:
     def shard_grads(self, owned: bool = False, lead: bool = True) -> list[torch.Tensor]:
         """This rank's rows of every gradient, plain tensors; ``owned``: only those no other
         rank of the shard group holds too. A replicated one (a 0-dim parameter, or a buffer
-        of mode NONE in a sharded engine) counts on one rank of the group, the ``lead``."""
+        of mode REPLICATED in a sharded engine) counts on one rank of the group, the ``lead``."""
         return [local(p.grad) for flat in self.flats for j, p in enumerate(flat.params)
                 if p.grad is not None and (lead or not owned or not flat.is_replicated(j))]
 
-    def has_frozen(self) -> bool:
-        return any(not flat.requires_grad for flat in self.flats)
-
-    # ------------------------------------------------------------------------------ gather
-    def needing_gather(self) -> list[FlatBuffer]:
-        """The flat buffers a gather must refresh (``FlatBuffer.needs_gather``)."""
-        return [flat for flat in self.flats if flat.needs_gather]
-
-    def gather(self, async_op: bool = False, on_gather: Callable | None = None) -> None:
-        """All-gather every buffer that needs it; ``on_gather(unit)`` after each one starts."""
-        for flat in self.flats:
-            self.gather_flat(flat, async_op, on_gather)
-
-    def gather_flat(self, flat: FlatBuffer, async_op: bool = False,
-                    on_gather: Callable | None = None) -> None:
-        if flat.needs_gather:
-            gather_params([flat], async_op)
-            if on_gather is not None:
-                on_gather(self)
-        elif not async_op:
-            flat.wait()  # a prefetched gather: make sure it has landed
+    # ----------------------------------------------------------------- unshard / reshard
+    def unshard(self, async_op: bool = False, flats: list[FlatBuffer] | None = None) -> bool:
+        """All-gather into ``full`` every buffer (of ``flats``) that needs it (``FlatBuffer.
+        needs_gather``: the one "gather?" test), so calling it again is free; without
+        ``async_op`` a gather already in flight (a prefetch) is landed. True if one started."""
+        started = False
+        for flat in self.flats if flats is None else flats:
+            if flat.needs_gather:
+                gather_params([flat], async_op)
+                started = True
+            elif not async_op:
+                flat.wait()
+        return started
 
     def wait(self) -> None:
         """Land every gather still in flight into this unit's buffers."""
@@ -162,27 +155,22 @@ class Unit:
             for place in param.places:
                 place.module._parameters[place.attr] = value
 
-    # ----------------------------------------------------------------------------- release
-    def release(self, on_free: Callable | None = None, j: int | None = None) -> None:
-        """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``), calling
-        ``on_free(unit)`` after each one freed, and show the stand-ins (guards.Released) until
-        :meth:`to_sharded`."""
+    # ----------------------------------------------------------------------------- reshard
+    def reshard(self, j: int | None = None, frozen_only: bool = False) -> bool:
+        """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``, or of the frozen
+        ones: they have no gradient hook to say their backward is done) and show the stand-ins
+        (guards.Released) until :meth:`to_sharded`. True if any storage was freed. A no-op
+        unless ``reshard_after_forward``: stages 0-2 keep ``full``."""
+        freed = False
+        if not self.reshard_after_forward:
+            return freed
         for k, flat in enumerate(self.flats):
-            if j is None or k == j:
-                self._release_flat(flat, on_free)
-
-    def release_frozen(self, on_free: Callable | None = None) -> None:
-        """Release the frozen buffers: they have no gradient hook to say their backward is done."""
-        for flat in self.flats:
-            if not flat.requires_grad:
-                self._release_flat(flat, on_free)
-
-    def _release_flat(self, flat: FlatBuffer, on_free: Callable | None) -> None:
-        if flat.mode is FlatMode.NONE:  # never released: the places keep their views
-            return
-        if flat.mode is FlatMode.OWN and flat.is_gathered:
-            flat.free()
-            if on_free is not None:
-                on_free(self)
-        self.set_places(flat, [p.stand_in if p.stand_in is not None else p.user
-                         for p in self.params(flat)])
+            if (j is not None and k != j) or (frozen_only and flat.requires_grad) \
+                    or flat.mode is FlatMode.REPLICATED:  # never freed: the places keep their views
+                continue
+            if flat.mode is FlatMode.OWN and flat.is_gathered:
+                flat.free()
+                freed = True
+            self.set_places(flat, [p.stand_in if p.stand_in is not None else p.user
+                                   for p in self.params(flat)])
+        return freed
