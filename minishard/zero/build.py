@@ -55,7 +55,7 @@ def replicated_predicate(replicate, persist_below: int) -> Callable[[nn.Paramete
     elements. A tied parameter whose modules disagree is refused: which would it be?"""
     matches = unit_predicate(replicate)
 
-    def whole(p: nn.Parameter, places) -> bool:
+    def is_replicated(p: nn.Parameter, places) -> bool:
         if p.numel() < persist_below:
             return True
         answers = {bool(matches(place.module)) for place in places}
@@ -66,7 +66,7 @@ def replicated_predicate(replicate, persist_below: int) -> Callable[[nn.Paramete
                 "is kept whole or sharded, not both. Make replicate= match all of its modules "
                 "or none.")
         return answers.pop()
-    return whole
+    return is_replicated
 
 
 def sync_initial_state(module: nn.Module, group) -> None:
@@ -78,14 +78,14 @@ def sync_initial_state(module: nn.Module, group) -> None:
 
 def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
                 param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
-                whole=None, device=None, param_init_fn=None,
+                is_replicated=None, device=None, param_init_fn=None,
                 meter: WrapMeter | None = None) -> list[Unit]:
     """Find the units of ``root`` (``units=`` as ZeRO takes it), give every parameter to its
     owner, build the flat buffers on ``groups`` (config.Groups) and fill them.
 
     ``group_of(p)`` is the optimizer param group a parameter belongs to (0 when the user gave
     none): parameters of different groups never share a flat buffer, so each shard belongs to
-    exactly one group. ``whole(p, places)`` (:func:`replicated_predicate`): is a parameter
+    exactly one group. ``is_replicated(p, places)`` (:func:`replicated_predicate`): is a parameter
     kept whole on every rank? Tensors on the meta device are materialised on ``device`` by
     ``param_init_fn`` (deferred_init.py)."""
     deferred = None
@@ -105,8 +105,8 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     for uname in names:  # registration order, root first
         unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
         mine = [p for p in places if owner[p] == uname]
-        _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, whole, deferred,
-                   meter)
+        _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, is_replicated,
+                   deferred, meter)
         built.append(unit)
         if deferred is None:  # eager: free this unit's original tensors before the next unit
             _adopt(unit, meter)
@@ -166,7 +166,7 @@ def _owners(places, unit_paths: dict[str, str]) -> dict[nn.Parameter, str]:
 
 
 def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dtype, group_of,
-               whole, deferred: DeferredInit | None, meter: WrapMeter) -> None:
+               is_replicated, deferred: DeferredInit | None, meter: WrapMeter) -> None:
     """One flat buffer per (dtype, requires_grad, param group, device, compute dtype, kept
     whole) of ``unit``'s parameters. Mixed precision computes floating parameters in
     ``param_dtype``, except a BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's
@@ -179,7 +179,8 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
         batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
                          for place in places[p])
         compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
-        replicated = flat_mode is not FlatMode.REPLICATED and whole is not None and whole(p, places[p])
+        replicated = (flat_mode is not FlatMode.REPLICATED and is_replicated is not None
+                      and is_replicated(p, places[p]))
         buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute, replicated),
                            []).append(p)
     devices = {key[3] for key in buckets}
@@ -202,7 +203,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
                           replicate_group=None if replicated else groups.replicate,
                           device=deferred and deferred.device,
                           spec=None if flat_mode is FlatMode.REPLICATED else Spec(
-                              mesh_of(groups, device.type), whole=replicated))
+                              mesh_of(groups, device.type), replicated=replicated))
         flat.param_group = pg  # which optimizer param group its shard belongs to
         unit.add_flat(flat, [places[p] for p in ps])
         meter.hold(flat.held_bytes())

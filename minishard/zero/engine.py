@@ -137,7 +137,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._wrap_meter = WrapMeter()
         self.units = build_units(module, units, groups, flat_mode=policy.flat_mode,
                                  param_dtype=mp.param_dtype, group_of=group_of,
-                                 whole=replicated_predicate(replicate, persist_below),
+                                 is_replicated=replicated_predicate(replicate, persist_below),
                                  device=device, param_init_fn=param_init_fn,
                                  meter=self._wrap_meter)
         cast_buffers(module, mp.buffer_dtype)

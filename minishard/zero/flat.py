@@ -346,6 +346,8 @@ def collective_key(flat: FlatBuffer) -> tuple:
 # DeepSpeed's stages 1-2 cut the concatenation instead (rank 0 = [a0 a1 a2 b0 b1]...): no copy,
 # but 1-D pieces across parameter boundaries lose names, shapes and per-parameter freezing.
 # DeepSpeed's ZeRO-3 cuts each parameter on its own, flattened to 1-D: elements, not rows.
+# One collective for several buffers (a unit's, or a bucket's) instead of one each: on gloo,
+# with ~1 MiB buffers, the per-call cost is most of the time; the price is a staging buffer.
 
 def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tensor) -> None:
     """Full-layout gradients of ``flats`` into ``send`` (N x their k's, rank-major): row r is
@@ -376,10 +378,8 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
                                            rank 1 [a2 a3 b3 b4 b5]
         A's full from staging[:, 0:2], B's from staging[:, 2:5]            (copy_out)
 
-    One collective instead of one per buffer: on gloo, with ~1 MiB buffers, the per-call cost is
-    most of the time; the price is the staging buffer and one copy of the gathered bytes. When
-    full and the shard share a layout (one parameter, or N = 1), full itself is the output: no
-    staging, no copy. At stage 0 under a cast there are no shards: the gather is the cast."""
+    When full and the shard share a layout (one parameter, or N = 1), full itself is the output:
+    no staging, no copy. At stage 0 under a cast there are no shards: the gather is the cast."""
     first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
     with torch.no_grad():
         for flat in flats:
@@ -419,8 +419,6 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
         flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
         send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
         rank 0 receives [a0 a1 b0 b1 b2]: its piece of A, then of B; rank 1 the other half.
-
-    One collective for several small buffers costs one per-call latency instead of several.
     """
     first = flats[0]
     grads = [f.take_grad(reduce_dtype) for f in flats]

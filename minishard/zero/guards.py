@@ -120,8 +120,11 @@ _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet(
 def refuse_orphaned_params(optimizer, args, kwargs) -> None:
     """The classic stale-parameter bug: the optimizer was built over the module's parameters
     BEFORE wrapping, so it updates tensors the model does not use. Caught at the first step."""
-    if optimizer in _checked_optimizers:
-        return
+    if optimizer not in _checked_optimizers:
+        _check_once(optimizer)
+
+
+def _check_once(optimizer) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, "_minishard_replaced", False):

@@ -185,7 +185,7 @@ def step_transients(model) -> dict[str, int]:
     sharded = policy.flat_mode is not FlatMode.REPLICATED
     # replicated buffers in a sharded engine: all-reduced from their own bucket, which waits
     # for config.BUCKET_BYTES of them or the end of backward (schedule.py)
-    whole = sum(_grad_bytes(f, reduce_dtype) for f in trainable
+    replicated_grads = sum(_grad_bytes(f, reduce_dtype) for f in trainable
                 if sharded and f.mode is FlatMode.REPLICATED)
     unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
     grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
@@ -201,10 +201,10 @@ def step_transients(model) -> dict[str, int]:
                                           if u.module is root)
                                       + (1 + prefetch) * largest_gather)
         out["gather staging"] = largest_gather if world > 1 else 0
-    out["full gradients"] = psi if keeps_full_grads else bucket_bytes + whole
+    out["full gradients"] = psi if keeps_full_grads else bucket_bytes + replicated_grads
     if limits_reductions:
         out["reductions in flight"] = (MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
-                                       + whole)
+                                       + replicated_grads)
     else:
         out["reductions in flight"] = (2 if sharded else 1) * psi
     out["shard gradients"] = sum(f.shard_numel * f.dtype.itemsize for f in trainable

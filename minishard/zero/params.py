@@ -64,14 +64,14 @@ def mesh_of(groups, device_type: str) -> DeviceMesh:
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """How one flat buffer's user parameters are DTensors: its mesh, whose last dim is the
-    shard group (a 2-D mesh's first dim holds the replicas); ``whole``: every rank holds every
+    shard group (a 2-D mesh's first dim holds the replicas); ``replicated``: every rank holds every
     row (a replicated buffer, ``ZeRO(replicate=...)``)."""
     mesh: DeviceMesh
-    whole: bool = False
+    replicated: bool = False
     _specs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def placements(self, shape: torch.Size) -> tuple:
-        row = Shard(0) if len(shape) and not self.whole else Replicate()
+        row = Shard(0) if len(shape) and not self.replicated else Replicate()
         return (Replicate(),) * (self.mesh.ndim - 1) + (row,)
 
     def of(self, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:

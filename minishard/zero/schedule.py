@@ -165,7 +165,7 @@ class Reducer:
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
-        self._buckets: dict[bool, list[FlatBuffer]] = {}  # ready, not launched: by "is whole"
+        self._buckets: dict[bool, list[FlatBuffer]] = {}  # ready, not launched: by "is replicated"
         self.shadowing = False  # Join: this rank has joined and runs an empty batch (join.py)
 
     def in_flight_bytes(self) -> int:
@@ -196,21 +196,21 @@ class Reducer:
         ([Note: buckets]: ``bucket_bytes`` at stages 2-3, where 0 launches every flat at once).
         A replicated buffer (mode REPLICATED in a sharded engine) is all-reduced, not reduce-scattered:
         it waits in a bucket of its own, of config.BUCKET_BYTES, as DDP's gradients do."""
-        whole = flat.mode is FlatMode.REPLICATED
-        cap = self.bucket_bytes if self.free_grads_early and not whole else config.BUCKET_BYTES
-        bucket = self._buckets.get(whole, [])
+        replicated = flat.mode is FlatMode.REPLICATED
+        cap = self.bucket_bytes if self.free_grads_early and not replicated else config.BUCKET_BYTES
+        bucket = self._buckets.get(replicated, [])
         if bucket and collective_key(bucket[0]) != collective_key(flat):
-            self._flush_bucket(whole)  # one collective moves one dtype
-        bucket = self._buckets.setdefault(whole, [])
+            self._flush_bucket(replicated)  # one collective moves one dtype
+        bucket = self._buckets.setdefault(replicated, [])
         bucket.append(flat)
         if sum(f.full_bytes() for f in bucket) >= cap:
-            self._flush_bucket(whole)
+            self._flush_bucket(replicated)
 
-    def _flush_bucket(self, whole: bool) -> None:
+    def _flush_bucket(self, replicated: bool) -> None:
         """Launch a bucket; at stages 2-3 first wait for the oldest reduction if
         MAX_REDUCTIONS_IN_FLIGHT are unfinished, so no more than that many hold their send
         and receive buffers at once."""
-        bucket = self._buckets.pop(whole, [])
+        bucket = self._buckets.pop(replicated, [])
         if not bucket:
             return
         while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
@@ -233,8 +233,8 @@ class Reducer:
                     if flat.requires_grad and flat.full.grad is not None:
                         self.grad_ready(unit, flat)
             unused = self._finish_in_order() if self.find_unused else []
-        for whole in list(self._buckets):  # in the order the buckets began: the same on every rank
-            self._flush_bucket(whole)
+        for replicated in list(self._buckets):  # in the order the buckets began: the same on every rank
+            self._flush_bucket(replicated)
         for handle, _ in self._in_flight:
             handle.wait()
         self._in_flight.clear()
@@ -245,7 +245,7 @@ class Reducer:
         self._reduced.clear()
 
     def _finish_in_order(self) -> list[tuple[FlatBuffer, list]]:
-        """[Note: find_unused]: launch the whole fixed order, then the usage bitmap.
+        """[Note: find_unused]: launch the replicated fixed order, then the usage bitmap.
         Returns the flats no rank used, with their gradient before this backward."""
         order = self.launch_order()
         before = {id(f): [p.grad for p in f.params] for f in order}
@@ -265,7 +265,7 @@ def clip_grad_norm(units, group, sharded: bool, max_norm: float,
     torch's does on the unsharded model; returns the total norm before clipping.
 
     Each element counts once: a rank sums |g|^p over its shard gradients only (no padding; a
-    tied weight has one slot; a replicated one, 0-dim or kept whole by ``replicate=``, on the
+    tied weight has one slot; a replicated one, 0-dim or kept replicated by ``replicate=``, on the
     shard group's rank 0), then one all-reduce over the shard ``group`` adds the ranks' sums
     (MAX for the inf-norm). Not ``sharded`` (stage 0): identical full gradients on every rank,
     no collective. With replicas (a 2-D mesh) the sum runs over the shard group only: adding

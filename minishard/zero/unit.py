@@ -151,7 +151,7 @@ class Unit:
     def set_places(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
         """Point every place of ``flat``'s parameter j at ``values[j]`` (the module's own
         ``_parameters`` entry: a view is not an ``nn.Parameter``, so setattr would refuse it)."""
-        for param, value in zip(self.params(flat), values):
+        for param, value in zip(self._params[self.flats.index(flat)], values):
             for place in param.places:
                 place.module._parameters[place.attr] = value
 
@@ -172,5 +172,5 @@ class Unit:
                 flat.free()
                 freed = True
             self.set_places(flat, [p.stand_in if p.stand_in is not None else p.user
-                                   for p in self.params(flat)])
+                                   for p in self._params[k]])
         return freed
