@@ -164,7 +164,7 @@ def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, pr
             "ZeRO: this module (or one of its submodules) is already wrapped by minishard.ZeRO, "
             "or a wrap of it failed after some of its parameters became shards. Wrap a module "
             "once; to change the stage, wrap a fresh copy of the original model.")
-    if find_unused and policy.free_after_forward:
+    if find_unused and policy.reshard_after_forward:
         raise ValueError(
             "ZeRO: find_unused_parameters=True cannot work at stage 3: every unit gathers its "
             "parameters in forward and again in backward, so every rank must run the same units "

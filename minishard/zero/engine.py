@@ -57,14 +57,14 @@ __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
 class StagePolicy:
     flat_mode: FlatMode       # where full and shard live (flat.py): REPLICATED, VIEW or OWN
     free_grads_early: bool    # wait for a unit's reduction soon, freeing its full gradient (2, 3)
-    free_after_forward: bool  # release full params between uses (stage 3)
+    reshard_after_forward: bool  # release full params between uses (stage 3)
 
 
 STAGES = {
-    0: StagePolicy(FlatMode.REPLICATED, free_grads_early=False, free_after_forward=False),
-    1: StagePolicy(FlatMode.VIEW, free_grads_early=False, free_after_forward=False),
-    2: StagePolicy(FlatMode.VIEW, free_grads_early=True, free_after_forward=False),
-    3: StagePolicy(FlatMode.OWN, free_grads_early=True, free_after_forward=True),
+    0: StagePolicy(FlatMode.REPLICATED, free_grads_early=False, reshard_after_forward=False),
+    1: StagePolicy(FlatMode.VIEW, free_grads_early=False, reshard_after_forward=False),
+    2: StagePolicy(FlatMode.VIEW, free_grads_early=True, reshard_after_forward=False),
+    3: StagePolicy(FlatMode.OWN, free_grads_early=True, reshard_after_forward=True),
 }
 
 
@@ -141,7 +141,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                  device=device, param_init_fn=param_init_fn,
                                  meter=self._wrap_meter)
         cast_buffers(module, mp.buffer_dtype)
-        guards.guard_parameters(self.units, module, stand_ins=self.policy.free_after_forward)
+        guards.guard_parameters(self.units, module, stand_ins=self.policy.reshard_after_forward)
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
                                                   with_kwargs=True)
@@ -155,7 +155,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         # "backward_done"). Meters listen always; Join while it runs (join.py).
         self.listeners: list = []
         self._gathers = Gatherer(self.units, self._emit,
-                                 free_after_forward=policy.free_after_forward,
+                                 reshard_after_forward=policy.reshard_after_forward,
                                  bucket_bytes=bucket_bytes, prefetch=prefetch,
                                  find_unused=find_unused_parameters)
         self._reducer = Reducer(self.units, free_grads_early=policy.free_grads_early,
@@ -166,7 +166,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._forward_open = self._accumulating = False  # _end_open_forward, _to_sharded
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
-            unit.reshard_after_forward = policy.free_after_forward
+            unit.reshard_after_forward = policy.reshard_after_forward
             self._put_back(unit)
         self._meters = Meters(self.units, self._reducer)
         self.listeners.append(self._meters.heard)
@@ -204,7 +204,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             self._emit("step", unit, args, kwargs)  # Join announces this rank (join.py)
             self._end_open_forward()
             self._sync_requires_grad()
-            if not self.policy.free_after_forward:
+            if not unit.reshard_after_forward:  # stages 0-2
                 self._gathers.refresh_stale()
                 for other in self.units:  # full views everywhere until backward ends
                     other.to_unsharded()
@@ -215,7 +215,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             self._gathers.look_ahead(unit, Pass.FORWARD)
         if is_root and self.mp.param_dtype is not None:
             args, kwargs = cast_inputs((args, kwargs), self.mp.param_dtype)
-        if self.policy.free_after_forward and torch.is_grad_enabled() and not all(
+        if unit.reshard_after_forward and torch.is_grad_enabled() and not all(
                 flat.requires_grad for flat in unit.flats):
             # Frozen buffers have no gradient hook to say when the unit's backward is over; an
             # identity on the unit's inputs does: its backward runs once the unit's has finished.
@@ -245,7 +245,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         unit = self.units[i]
         self._start_backward()
         self._gathers.gather(unit, Pass.BACKWARD)
-        if self.policy.free_after_forward:
+        if unit.reshard_after_forward:
             unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
         self._emit("backward", unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)

@@ -175,7 +175,7 @@ def step_transients(model) -> dict[str, int]:
     units, root, policy = model.units, model.module, model.policy
     world, prefetch, bucket_bytes = comm.group_size(model.group), model.prefetch, model.bucket_bytes
     reduce_dtype = model.mp.reduce_dtype
-    stage_frees_params = policy.free_after_forward
+    stage_frees_params = policy.reshard_after_forward
     keeps_full_grads = not policy.free_grads_early or model.find_unused
     limits_reductions = policy.free_grads_early
     flats = [f for u in units for f in u.flats]

@@ -43,10 +43,10 @@ class Pass(enum.Enum):
 class Gatherer:
     """The order units run in, prefetch, stage-3 buckets and stage 1-2 re-gathers."""
 
-    def __init__(self, units, emit, *, free_after_forward: bool, bucket_bytes: int,
+    def __init__(self, units, emit, *, reshard_after_forward: bool, bucket_bytes: int,
                  prefetch: bool, find_unused: bool) -> None:
         self.units, self.emit = units, emit  # emit("gather", unit): the engine's event stream
-        self.free_after_forward, self.bucket_bytes = free_after_forward, bucket_bytes
+        self.reshard_after_forward, self.bucket_bytes = reshard_after_forward, bucket_bytes
         self.prefetch, self.find_unused = prefetch, find_unused
         self.order: list = []          # units in the order the first forward ran them
         self.order_recorded = False
@@ -80,7 +80,7 @@ class Gatherer:
                 and unit not in self.order:
             self.order.append(unit)
         needed = [f for f in unit.flats if f.needs_gather]
-        if not (self.bucket_bytes and self.free_after_forward and self.order_recorded
+        if not (self.bucket_bytes and self.reshard_after_forward and self.order_recorded
                 and unit in self.order and needed):
             if unit.unshard(async_op):
                 self.emit("gather", unit)
