@@ -125,10 +125,9 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
             algorithm: str = "ring") -> None:
-    """Every collective passes here first: the ledger, and the debug consistency check.
-    ``tensor`` must be contiguous: a backend moves memory in STORAGE order, so a transposed
-    tensor would reach the others scrambled, silently. Every collective below hands the backend
-    a contiguous copy of a strided argument (:func:`_dense`) and copies a result back."""
+    """Every collective passes here first: the ledger, and the debug consistency check. A backend
+    moves memory in STORAGE order (a transposed tensor would arrive scrambled, silently): every
+    collective below hands it ``x.contiguous()`` and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
     record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
@@ -216,12 +215,6 @@ def _finish(work, async_op: bool, then=None):
     return None
 
 
-def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when contiguous, else a contiguous copy in its LOGICAL order (a
-    transposed buffer, a column slice): what the backend may be given (see :func:`_before`)."""
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
-
-
 def _copy_back(then, tensor: torch.Tensor, dense: torch.Tensor):
     """``then``, and copying the result into ``tensor`` when it landed in a contiguous copy."""
     if dense is tensor:
@@ -255,7 +248,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm == "doubling" and not power_of_two(n):
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
-    dense = _dense(tensor)
+    dense = tensor.contiguous()
     _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(dense, op, group, n)
@@ -356,7 +349,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
-    out, shard = _dense(output), _dense(shard)
+    out, shard = output.contiguous(), shard.contiguous()
     _before("all_gather", out, out.numel(), group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
@@ -394,7 +387,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
-    mine, full = _dense(shard), _dense(full)
+    mine, full = shard.contiguous(), full.contiguous()
     _before("reduce_scatter", full, full.numel(), group, n, tag)
     if n == 1:
         shard.copy_(full.view_as(shard))
@@ -456,7 +449,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
               tag: str = ""):
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
     n = group_size(group)
-    dense = _dense(tensor)
+    dense = tensor.contiguous()
     _before("broadcast", dense, dense.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)

@@ -7,10 +7,9 @@ recorded with ``sys.setprofile``, and its distinct functions, the files they liv
 lines (each function's whole definition) are counted. Comprehensions and lambdas belong to the
 function that holds them and are not counted again.
 
-The budget is a ratchet: today's path (measured so: 65 functions in 7 files, 689 lines; 80 in
+The budget is a ratchet: today's path (measured so: 63 functions in 7 files, 650 lines; 80 in
 12 files and 728 lines before the engine moved into zero/), which must never grow unseen. The
-aim of the issue "The engine in one sitting" is 55 functions and 650 lines: lower BUDGET as
-the path shrinks.
+aim of the issue "The engine in one sitting" is 55 functions: lower BUDGET as the path shrinks.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minishard"
-BUDGET = dict(functions=65, files=7, lines=689)
+BUDGET = dict(functions=63, files=7, lines=650)
 
 
 class Block(nn.Module):

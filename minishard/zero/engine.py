@@ -300,9 +300,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             self._to_sharded()
 
     def _sync_requires_grad(self) -> None:
-        """The user parameters' ``requires_grad`` is the truth (frozen one by one, through
-        ``requires_grad_`` on them or on a module): each flat buffer follows it, and the first
-        time one is trainable its ``full`` gets the post-backward hook."""
+        """Each flat buffer follows its user parameters' ``requires_grad`` (frozen one by one or
+        a module at once); the first time one is trainable, ``full`` gets the post-backward hook."""
         for i, unit in enumerate(self.units):
             for j, flat in enumerate(unit.flats):
                 flat.sync_requires_grad()

@@ -70,12 +70,10 @@ class Gatherer:
             self.gather(self.order[i], direction, async_op=True)
 
     def gather(self, unit, direction: Pass, async_op: bool = False) -> None:
-        """Gather ``unit`` for the forward or backward schedule. With ``bucket_bytes`` at stage
-        3, once the order is known, the units that run after it (in that direction) and are not
-        gathered join its collective, up to about bucket_bytes in all: one collective for
-        several small units. Each still frees its own parameters after it has run, so a
-        bucket's memory drains unit by unit. A unit's own forward gather (not a prefetch's)
-        notes its place in the order, during the first forward."""
+        """Gather ``unit`` (its own forward gather notes its place in the first forward's order).
+        With ``bucket_bytes`` at stage 3, once the order is known, the units that run after it
+        (in that direction) and are not gathered join its collective, up to about bucket_bytes:
+        each still frees its own parameters after it has run, so the memory drains unit by unit."""
         if direction is Pass.FORWARD and not async_op and not self.order_recorded \
                 and unit not in self.order:
             self.order.append(unit)
@@ -172,10 +170,11 @@ class Reducer:
         return sum(nbytes for _, nbytes in self._in_flight)
 
     def grad_ready(self, unit, flat: FlatBuffer) -> None:
-        """``flat`` (of ``unit``) has its whole gradient on this rank: start its reduction (with find_unused_parameters: mark it, [Note: find_unused]).
-        A second part of its gradient in the same backward (reentrant activation checkpointing
-        backpropagates each checkpointed call in a backward of its own) is reduced too, as the
-        reductions add up, unless the first still waits in a bucket and will take it along."""
+        """``flat`` (of ``unit``) has its whole gradient on this rank: start its reduction
+        (with find_unused_parameters: mark it, [Note: find_unused]). A second part of its
+        gradient in the same backward (reentrant activation checkpointing backpropagates each
+        checkpointed call in a backward of its own) is reduced too, as the reductions add up,
+        unless the first still waits in a bucket and will take it along."""
         if id(flat) in self._reduced and (self.find_unused or flat.full.grad is None or any(
                 f is flat for bucket in self._buckets.values() for f in bucket)):
             return

@@ -159,8 +159,7 @@ class Unit:
     def reshard(self, j: int | None = None, frozen_only: bool = False) -> bool:
         """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``, or of the frozen
         ones: they have no gradient hook to say their backward is done) and show the stand-ins
-        (guards.Released) until :meth:`to_sharded`. True if any storage was freed. A no-op
-        unless ``reshard_after_forward``: stages 0-2 keep ``full``."""
+        (guards.Released) until :meth:`to_sharded`; True if any was freed. Stages 0-2: a no-op."""
         freed = False
         if not self.reshard_after_forward:
             return freed
