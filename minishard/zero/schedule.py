@@ -170,11 +170,10 @@ class Reducer:
         return sum(nbytes for _, nbytes in self._in_flight)
 
     def grad_ready(self, unit, flat: FlatBuffer) -> None:
-        """``flat`` (of ``unit``) has its whole gradient on this rank: start its reduction
-        (with find_unused_parameters: mark it, [Note: find_unused]). A second part of its
-        gradient in the same backward (reentrant activation checkpointing backpropagates each
-        checkpointed call in a backward of its own) is reduced too, as the reductions add up,
-        unless the first still waits in a bucket and will take it along."""
+        """``flat`` (of ``unit``) has its whole gradient here: start its reduction (with
+        find_unused_parameters: mark it, [Note: find_unused]). A second part of it in one backward
+        (reentrant activation checkpointing runs a backward per checkpointed call) is reduced
+        too, as reductions add up, unless the first still waits in a bucket to take it along."""
         if id(flat) in self._reduced and (self.find_unused or flat.full.grad is None or any(
                 f is flat for bucket in self._buckets.values() for f in bucket)):
             return
