@@ -1,6 +1,6 @@
 """Stage-3 buckets in backward gather the units that run NEXT in backward: the reverse of the
-forward order (zero.py [Note: buckets]). Built in forward order instead, a backward bucket
-starting at the last unit carries the FIRST units (5, 0, 4, 1, ...): loss and weights are
+forward order (schedule.py; [Note: buckets] in zero/config.py). Built in forward order
+instead, a backward bucket starting at the last unit carries the FIRST units (5, 0, 4, 1, ...): loss and weights are
 unchanged, but units are gathered long before they run, and the gathered peak doubles.
 
 The oracle is the recorded forward order (``record_events``), reversed, and the bucket bound:

@@ -1,4 +1,4 @@
-"""DCP checkpoints both ways with FSDP2 (dcp_checkpoint.py), at different world sizes and stages.
+"""DCP checkpoints both ways with FSDP2 (checkpoint/dcp.py), at different world sizes and stages.
 
 The oracles:
   * FSDP2 itself: ``torch.distributed.checkpoint.state_dict``'s get_/set_ model and optimizer

@@ -63,7 +63,7 @@ def syncbn_reference(dy, x, mean, invstd, weight, n, all_reduce):
 
 
 def layout_reference(shapes, world, rank):
-    """The engine's own layout (layout.py), for this rank of ``world``."""
+    """The engine's own layout (zero/flat.py: Layout), for this rank of ``world``."""
     layout = Layout([torch.Size(s) for s in shapes], world, rank)
     return layout.owned_rows, layout.widths, layout.shard_numel
 

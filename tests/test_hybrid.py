@@ -326,7 +326,7 @@ def test_checkpoint_saved_on_2x2_resumes_on_1x4_4x1_and_2_ranks(pools, tmp_path,
 
 @pytest.mark.parametrize("stage, stage_b", [(3, 3), (1, 0), (0, 2)])
 def test_dcp_checkpoint_saved_on_2x2_resumes_on_4x1_and_2_ranks(pools, tmp_path, stage, stage_b):
-    """The same in torch.distributed.checkpoint's format (dcp_checkpoint.py): stages 1-3, the
+    """The same in torch.distributed.checkpoint's format (checkpoint/dcp.py): stages 1-3, the
     first replica writes its shard group's rows; stage 0, every rank its rows of the 4."""
     ckpt = str(tmp_path / f"ckpt-{uuid.uuid4().hex[:8]}")
     files = pools(4).run(save_on, (2, 2), CKPT_SPEC, stage, "blocks", "adam", ckpt, "dcp")[0]

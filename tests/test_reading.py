@@ -1,6 +1,6 @@
 """What a reader of minishard/ relies on beyond the size budgets (test_budgets.py): README's map
 names every file, the source explains instead of remembering, and FlatBuffer stays small enough
-to read alone (its layout arithmetic lives in zero/layout.py)."""
+to read alone (its layout arithmetic lives in zero/flat.py: Layout)."""
 import ast
 import re
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""torch's own tools on a wrapped model's parameters (DTensors at stages 1-3, dtensors.py).
+"""torch's own tools on a wrapped model's parameters (DTensors at stages 1-3, zero/params.py).
 
 The oracles, unmodified:
   * One process on the global batch: torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on the

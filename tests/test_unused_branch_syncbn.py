@@ -3,7 +3,7 @@ some ranks run (issue 28, defect 2). Stage 2 used to deadlock: a rank that ran t
 for the branch's reduction (at most two in flight) that the other rank launches only at the end
 of backward, while the other waited in SyncBatchNorm's backward all-reduce for the first. Now
 every rank launches its reductions at the end of backward ([Note: find_unused] in
-reductions.py). The oracle: torch DDP(find_unused_parameters=True) on the same model and data."""
+zero/schedule.py). The oracle: torch DDP(find_unused_parameters=True) on the same model and data."""
 import copy
 
 import pytest

@@ -11,7 +11,7 @@ Every file is written to a temporary name in the same directory, flushed to disk
 file is read back with ``torch.load(..., weights_only=True)`` (:func:`read_checked`): loading a
 checkpoint never runs code from it. Nothing here is collective.
 
-A torch.distributed.checkpoint (DCP) directory (dcp_checkpoint.py) is recognised by its
+A torch.distributed.checkpoint (DCP) directory (dcp.py) is recognised by its
 ``.metadata``, which DCP writes last and atomically: it is COMPLETE iff ``.metadata`` is
 readable and every data file holds the bytes it records (:func:`check_dcp`). ``.metadata`` is a
 pickle, read here through an allow-list (:class:`SafeDCPReader`) for the same promise.

@@ -85,7 +85,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     ``format="minishard"``: the rank files and meta.pt described above. ``format="dcp"``: a
     torch.distributed.checkpoint directory holding ``{"model": ..., "optim": ...}`` exactly as
     FSDP2's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them, which FSDP2 loads
-    (dcp_checkpoint.py). :func:`load_checkpoint` reads either, and torchtitan's layout too.
+    (dcp.py). :func:`load_checkpoint` reads either, and torchtitan's layout too.
 
     Collective. Every rank writes its own file; then they tell rank 0 the size and sha256 of
     what they wrote (an all-gather, which is also the barrier: it cannot finish before every
@@ -344,7 +344,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     any rank cannot load, all ranks raise and the model and optimizer are left as they were.
 
     A torch.distributed.checkpoint directory (``.metadata`` in it: saved by FSDP2, torchtitan or
-    ``format="dcp"``) is read the same way, by DCP (dcp_checkpoint.py); the metadata returned is
+    ``format="dcp"``) is read the same way, by DCP (dcp.py); the metadata returned is
     then ``{"format": "dcp", "param_groups": [the saved groups]}``.
     """
     path, group = os.fspath(path), model.group

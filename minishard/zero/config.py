@@ -155,7 +155,7 @@ def resolve_groups(mesh, process_group, stage: int) -> Groups:
 def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, process_group,
                     mesh, find_unused: bool, bucket_bytes: int, persist_below: int) -> Groups:
     """Every check that needs no collective, in this order; returns the engine's groups.
-    ``policy`` is zero.py's row for ``stage`` (None: no such stage)."""
+    ``policy`` is engine.py's row for ``stage`` (None: no such stage)."""
     if policy is None:
         raise ValueError(f"ZeRO: stage must be 0, 1, 2 or 3, got {stage!r}")
     if any(isinstance(m, engine_type) or getattr(m, "_minishard_unit", None)

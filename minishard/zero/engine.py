@@ -45,9 +45,8 @@ from minishard.zero.config import (MixedPrecision, cast_buffers, cast_inputs, ch
                                    check_same_config, param_group_index, resolve_groups,
                                    shard_param_groups)
 from minishard.zero.flat import FlatMode
-from minishard.zero.schedule import Gatherer, Pass
 from minishard.zero.meters import Meters, WrapMeter, memory_report, step_transients
-from minishard.zero.schedule import Reducer, clip_grad_norm
+from minishard.zero.schedule import Gatherer, Pass, Reducer, clip_grad_norm
 from minishard.zero.unit import Unit
 
 __all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
@@ -154,10 +153,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         # ("step", "gather", "forward", "free", "backward_pass", "backward", "grad", "reduce",
         # "backward_done"). Meters listen always; Join while it runs (join.py).
         self.listeners: list = []
-        self._gathers = Gatherer(self.units, self._emit,
-                                 reshard_after_forward=policy.reshard_after_forward,
-                                 bucket_bytes=bucket_bytes, prefetch=prefetch,
-                                 find_unused=find_unused_parameters)
+        self._gathers = Gatherer(self.units, self._emit, bucket_bytes=bucket_bytes,
+                                 prefetch=prefetch, find_unused=find_unused_parameters)
         self._reducer = Reducer(self.units, free_grads_early=policy.free_grads_early,
                                 bucket_bytes=bucket_bytes, reduce_dtype=mp.reduce_dtype,
                                 find_unused=find_unused_parameters, every_group=groups.every,

@@ -24,8 +24,7 @@ from minishard import comm
 from minishard.zero import config
 from minishard.zero.params import local
 from minishard.zero.flat import FlatMode
-from minishard.zero.schedule import MAX_GATHERS_IN_FLIGHT
-from minishard.zero.schedule import MAX_REDUCTIONS_IN_FLIGHT
+from minishard.zero.schedule import MAX_GATHERS_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT
 
 __all__ = ["Meters", "WrapMeter", "memory_report", "step_transients"]
 
@@ -186,7 +185,7 @@ def step_transients(model) -> dict[str, int]:
     # replicated buffers in a sharded engine: all-reduced from their own bucket, which waits
     # for config.BUCKET_BYTES of them or the end of backward (schedule.py)
     replicated_grads = sum(_grad_bytes(f, reduce_dtype) for f in trainable
-                if sharded and f.mode is FlatMode.REPLICATED)
+                           if sharded and f.mode is FlatMode.REPLICATED)
     unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
     grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
     reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)

@@ -43,11 +43,10 @@ class Pass(enum.Enum):
 class Gatherer:
     """The order units run in, prefetch, stage-3 buckets and stage 1-2 re-gathers."""
 
-    def __init__(self, units, emit, *, reshard_after_forward: bool, bucket_bytes: int,
-                 prefetch: bool, find_unused: bool) -> None:
+    def __init__(self, units, emit, *, bucket_bytes: int, prefetch: bool,
+                 find_unused: bool) -> None:
         self.units, self.emit = units, emit  # emit("gather", unit): the engine's event stream
-        self.reshard_after_forward, self.bucket_bytes = reshard_after_forward, bucket_bytes
-        self.prefetch, self.find_unused = prefetch, find_unused
+        self.bucket_bytes, self.prefetch, self.find_unused = bucket_bytes, prefetch, find_unused
         self.order: list = []          # units in the order the first forward ran them
         self.order_recorded = False
         if find_unused:  # forwards may differ between ranks: a fixed order instead
@@ -77,9 +76,9 @@ class Gatherer:
         if direction is Pass.FORWARD and not async_op and not self.order_recorded \
                 and unit not in self.order:
             self.order.append(unit)
-        needed = [f for f in unit.flats if f.needs_gather]
-        if not (self.bucket_bytes and self.reshard_after_forward and self.order_recorded
-                and unit in self.order and needed):
+        needed = (self.bucket_bytes and unit.reshard_after_forward and self.order_recorded
+                  and unit in self.order and [f for f in unit.flats if f.needs_gather])
+        if not needed:  # no bucket: the unit alone (or nothing: gathered, or in flight)
             if unit.unshard(async_op):
                 self.emit("gather", unit)
             return
