@@ -183,29 +183,31 @@ class Handle:
 
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
+        """Wait for every work (the time blocked goes to every open ledger), then ``then``."""
         if self._works:
-            _wait_all(self._works)
-            self._works = []
+            works, self._works, start = self._works, [], time.perf_counter()
+            for work in works:
+                work.wait()
+            end = time.perf_counter()
+            for led in costs.OPEN:
+                led.blocked_s += end - start
+            if _observer is not None:
+                _observer.waited(works, start, end)
         if self._then is not None:
             then, self._then = self._then, None
             then()
 
 
-def _wait_all(works) -> None:
-    """Wait for every work; the time spent blocked goes to every open ledger."""
-    start = time.perf_counter()
-    for work in works:
-        work.wait()
-    end = time.perf_counter()
-    for led in costs.OPEN:
-        led.blocked_s += end - start
-    if _observer is not None:
-        _observer.waited(works, start, end)
-
-
-def _finish(work, async_op: bool, then=None):
+def _finish(work, async_op: bool, then=None, tensor=None, dense=None):
     """Every collective is issued asynchronously; a synchronous caller waits here, so the
-    ledger's ``blocked_s`` sees that wait too."""
+    ledger's ``blocked_s`` sees that wait too. When the result landed in ``dense``, a
+    contiguous copy of the caller's ``tensor``, it is copied back after ``then``."""
+    if dense is not tensor:
+        def then_copy(first=then) -> None:
+            if first is not None:
+                first()
+            tensor.copy_(dense)
+        then = then_copy
     handle = Handle(work, then)
     if _observer is not None:
         _observer.started(handle._works)
@@ -213,18 +215,6 @@ def _finish(work, async_op: bool, then=None):
         return handle
     handle.wait()
     return None
-
-
-def _copy_back(then, tensor: torch.Tensor, dense: torch.Tensor):
-    """``then``, and copying the result into ``tensor`` when it landed in a contiguous copy."""
-    if dense is tensor:
-        return then
-
-    def then_copy() -> None:
-        if then is not None:
-            then()
-        tensor.copy_(dense)
-    return then_copy
 
 
 # -------------------------------------------------------------------------------- collectives
@@ -241,7 +231,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     if algorithm not in ("ring", "direct", "doubling", "auto"):
         raise ValueError(f"all_reduce: algorithm must be 'ring', 'direct', 'doubling' or 'auto', "
                          f"got {algorithm!r}")
-    n, (red, _) = group_size(group), _op(op, "all_reduce", tensor)
+    n, (red, _) = dist.get_world_size(group), _op(op, "all_reduce", tensor)
     if algorithm == "auto":
         nbytes = tensor.numel() * tensor.element_size()
         algorithm = pick_all_reduce(nbytes, n, dist.get_backend(group) if n > 1 else "")
@@ -252,13 +242,13 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(dense, op, group, n)
-        return _finish(works, async_op, _copy_back(total, tensor, dense))
+        return _finish(works, async_op, total, tensor, dense)
     if algorithm == "doubling" and n > 1:
         works, rest = _all_reduce_by_doubling(dense, op, group, n)
-        return _finish(works, async_op, _copy_back(rest, tensor, dense))
+        return _finish(works, async_op, rest, tensor, dense)
     work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
-    return _finish(work, async_op, _copy_back(then, tensor, dense))
+    return _finish(work, async_op, then, tensor, dense)
 
 
 # op -> (the backend's ReduceOp, how two ranks' values meet in comm's own algorithms); "avg"
@@ -288,7 +278,7 @@ def _all_reduce_by_exchange(tensor, op, group, n):
     Every rank adds the same numbers in the same order, so every rank gets the same bits (a sum
     in each rank's own order would differ in the last bits from rank to rank). Costs (N-1)·S bytes
     sent and an (N-1)·S receive buffer: worth it only for small tensors (see the module doc)."""
-    r, flat = group_rank(group), tensor.view(-1)
+    r, flat = dist.get_rank(group), tensor.view(-1)
     recv = torch.empty((n - 1, flat.numel()), dtype=tensor.dtype, device=tensor.device)
     parts = [flat if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
     works = []
@@ -319,7 +309,7 @@ def _all_reduce_by_doubling(tensor, op, group, n):
     Every rank gets the same bits: IEEE x+y == y+x exactly (so are max, min, x*y), so partners
     that swap X and Y both hold X+Y. log2 N * S bytes in log2 N messages and rounds (the direct
     exchange: (N-1) * S in one); round 0 is in flight on return, the rest run in ``wait()``."""
-    r, flat = group_rank(group), tensor.view(-1)
+    r, flat = dist.get_rank(group), tensor.view(-1)
     recv = torch.empty_like(flat)
 
     def swap(k: int) -> list:
@@ -333,7 +323,7 @@ def _all_reduce_by_doubling(tensor, op, group, n):
     def rest() -> None:
         add()
         for k in range(1, n.bit_length() - 1):
-            _wait_all(swap(k))
+            Handle(swap(k)).wait()
             add()
         if op == "avg":
             flat.div_(n)
@@ -345,7 +335,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
                tag: str = ""):
     """``output`` (N * shard.numel() elements) becomes the concatenation of every rank's ``shard``,
     in rank order."""
-    n = group_size(group)
+    n = dist.get_world_size(group)
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
@@ -358,7 +348,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         work = _all_gather_by_broadcasts(out, shard, group, n)
     else:
         work = _all_gather_flat(out, shard, group=group, async_op=True)
-    return _finish(work, async_op, _copy_back(None, output, out))
+    return _finish(work, async_op, None, output, out)
 
 
 def _all_gather_by_broadcasts(output, shard, group, n):
@@ -370,7 +360,7 @@ def _all_gather_by_broadcasts(output, shard, group, n):
     thread, the one that computes, while a broadcast runs on gloo's worker thread: so in a
     training step broadcasts overlap the computation that a direct exchange would hold up
     (whole steps compared: bench/RESULTS.md)."""
-    k, r, out = shard.numel(), group_rank(group), output.view(-1)
+    k, r, out = shard.numel(), dist.get_rank(group), output.view(-1)
     mine = out[r * k:(r + 1) * k]
     if mine.data_ptr() != shard.data_ptr():  # not already in place
         mine.copy_(shard.reshape(-1))
@@ -383,7 +373,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
                    async_op: bool = False, tag: str = ""):
     """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the ``op`` (:data:`OPS`) of
     every rank's ``full``."""
-    n, (red, _) = group_size(group), _op(op, "reduce_scatter", full)
+    n, (red, _) = dist.get_world_size(group), _op(op, "reduce_scatter", full)
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
@@ -394,10 +384,10 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
         return _finish(None, async_op)
     if dist.get_backend(group) == "gloo":
         works, total = _reduce_scatter_by_exchange(mine, full, op, group, n)
-        return _finish(works, async_op, _copy_back(total, shard, mine))
+        return _finish(works, async_op, total, shard, mine)
     work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None
-    return _finish(work, async_op, _copy_back(then, shard, mine))
+    return _finish(work, async_op, then, shard, mine)
 
 
 def _reduce_scatter_by_exchange(shard, full, op, group, n):
@@ -409,7 +399,7 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
                  shard   = part[0] + ... + part[N-1]          (part[r] = its own c_r)
 
     The same (N-1)/N * S bytes per rank as the ring, and a (N-1)/N * S receive buffer."""
-    k, r = shard.numel(), group_rank(group)
+    k, r = shard.numel(), dist.get_rank(group)
     chunks = full.reshape(n, k)
     recv = torch.empty((n - 1, k), dtype=full.dtype, device=full.device)
     parts = [chunks[j] if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
@@ -448,20 +438,20 @@ def _global(group, rank: int) -> int:
 def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = False,
               tag: str = ""):
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
-    n = group_size(group)
+    n = dist.get_world_size(group)
     dense = tensor.contiguous()
     _before("broadcast", dense, dense.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)
     work = dist.broadcast(dense, src=_global(group, src), group=group, async_op=True)
-    return _finish(work, async_op, _copy_back(None, tensor, dense))
+    return _finish(work, async_op, None, tensor, dense)
 
 
 @torch.no_grad()
 def all_gather_object(obj, group=None, tag: str = "", device=None) -> list:
     """Every rank's picklable ``obj``, in group rank order, on every rank: two ledger-counted
     all-gathers, of the pickles' lengths and of the pickles padded to the longest."""
-    n, data = group_size(group), torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    n, data = dist.get_world_size(group), torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     sizes = torch.zeros(n, dtype=torch.int64, device=device)
     all_gather(sizes, torch.tensor([data.numel()], device=device), group, tag=f"{tag} (sizes)")
     sizes = sizes.tolist()

@@ -695,7 +695,7 @@ def partial_forwards_use_current_params(stage, uses, steps_a, steps_b, cap_units
     xg = torch.randn(3 * n, 5, generator=torch.Generator().manual_seed(1))
     x = xg[3 * dist.get_rank():3 * dist.get_rank() + 3]
     bad = []
-    cap = cap_units * flats["a"].full_bytes()
+    cap = cap_units * flats["a"].full_bytes
     with unittest.mock.patch.object(minishard.zero.config, "BUCKET_BYTES", cap):
         for step, use in enumerate(uses):
             model(x, use=use).sum().backward()       # gradients averaged over the ranks
@@ -738,7 +738,7 @@ def regathers_ahead_of_forward(stage, units, cap_units):
     with minishard.ledger() as led:
         for layer in model.module:  # runs after the engine's own pre-forward hook
             layer.register_forward_pre_hook(lambda *_: issued.append(led.count("all_gather")))
-        cap = cap_units * model.units[1].flats[0].full_bytes()
+        cap = cap_units * model.units[1].flats[0].full_bytes
         with unittest.mock.patch.object(minishard.zero.config, "BUCKET_BYTES", cap):
             model(x)
     return issued, led.count("all_gather")

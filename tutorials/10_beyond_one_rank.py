@@ -161,7 +161,7 @@ def main(rank: int, world: int) -> None:
     with minishard.Allocations() as wrapping:
         model = wrap_from_meta(blocks)
     shards = sum(f.shard_numel * 4 for u in model.units for f in u.flats)  # padded slices
-    largest = max(sum(f.full_bytes() for f in u.flats) for u in model.units)
+    largest = max(sum(f.full_bytes for f in u.flats) for u in model.units)
     wrap_peaks = per_rank(wrapping.peak)
     kept = 1 + comm.FINISHED_KEPT_BY_BACKEND  # the module now + what gloo's threads still hold
     nan_check = WIDTH * WIDTH                 # rank 0: one bool per element of a weight

@@ -208,8 +208,8 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
         unit.add_flat(flat, [places[p] for p in ps])
         meter.hold(flat.held_bytes())
         if deferred and not flat.is_gathered:  # flat.py allocated full and freed it at once
-            meter.hold(flat.full_bytes())
-            meter.drop(flat.full_bytes())
+            meter.hold(flat.full_bytes)
+            meter.drop(flat.full_bytes)
 
 
 def _adopt(unit: Unit, meter: WrapMeter) -> None:

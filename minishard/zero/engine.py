@@ -160,7 +160,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                 find_unused=find_unused_parameters, every_group=groups.every,
                                 emit=self._emit)
         self._pass = Pass.FORWARD  # see _start_backward
-        self._forward_open = self._accumulating = False  # _end_open_forward, _to_sharded
+        self._forward_open = self._accumulating = False  # see _pre_forward, _to_sharded
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
         for unit in self.units:     # at rest: the user parameters; the first forward gathers
             unit.reshard_after_forward = policy.reshard_after_forward
@@ -199,7 +199,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         in_backward = self._pass is Pass.BACKWARD  # activation checkpointing recomputes
         if is_root and not in_backward:
             self._emit("step", unit, args, kwargs)  # Join announces this rank (join.py)
-            self._end_open_forward()
+            if self._forward_open:  # a forward never backpropagated (grad on, a unit alone)
+                self._to_sharded()
             self._sync_requires_grad()
             if not unit.reshard_after_forward:  # stages 0-2
                 self._gathers.refresh_stale()
@@ -291,11 +292,6 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             unit.to_sharded(keep_current=self._accumulating)
         self._forward_open = False
 
-    def _end_open_forward(self) -> None:
-        """A forward never backpropagated (grad left on, a unit called alone) ends here."""
-        if self._forward_open:
-            self._to_sharded()
-
     def _sync_requires_grad(self) -> None:
         """Each flat buffer follows its user parameters' ``requires_grad`` (frozen one by one or
         a module at once); the first time one is trainable, ``full`` gets the post-backward hook."""
@@ -345,7 +341,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         in the master dtype, under ``torch.no_grad()``. Edits are kept with ``writeback`` (stages
         0-2 keep them anyway: full and shards share storage); under mixed precision it shows the
         fp32 masters and writes back only an edited shard, never a rounded one."""
-        self._end_open_forward()
+        if self._forward_open:
+            self._to_sharded()
         with full_state.gathered(self.units, writeback, lambda u: self._emit("gather", u),
                                  self._put_back):
             yield self.module

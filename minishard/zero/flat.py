@@ -184,6 +184,7 @@ class FlatBuffer(Layout):
         elif cast and mode is FlatMode.REPLICATED:  # mixed precision: fp32 master, cast full
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
+        self.full_bytes = self.padded_numel * values.element_size()  # full's storage, gathered
         self.current = False  # full holds the shards as they are now (needs_gather)
         # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
         self.dspecs = [spec.of(shape, self.dtype) for shape in self.shapes] if spec else []
@@ -254,9 +255,6 @@ class FlatBuffer(Layout):
             out.append(piece.detach().view(shape) if frozen or detached else piece.view(shape))
         return out
 
-    def full_bytes(self) -> int:
-        return self.padded_numel * self.full.element_size()
-
     def held_bytes(self) -> int:
         """Bytes of storage this buffer holds now: ``full`` (if not freed) and ``shard``."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -283,7 +281,7 @@ class FlatBuffer(Layout):
         self.wait()
         storage = self.full.untyped_storage()
         if storage.size() == 0:
-            storage.resize_(self.full_bytes())
+            storage.resize_(self.full_bytes)
         self.current = True
 
     def send_pieces(self) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ class Meters:
         self.peak_gathered_bytes = 0
         self.peak_full_grad_bytes = 0
         self._backward_logged: set[str] = set()  # units whose backward has begun
-        self.note_gathered()
+        self.heard("free")  # count what is gathered at rest (stages 1-2 under a cast keep full)
 
     @contextlib.contextmanager
     def recording(self):
@@ -64,10 +64,12 @@ class Meters:
         elif event == "grad":  # full gradients alive: not reduced yet, or in a reduction
             held = sum(f.full.grad.untyped_storage().nbytes() for u in self.units
                        for f in u.flats if f.full.grad is not None)
-            held += self.reducer.in_flight_bytes()
+            held += self.reducer.in_flight_bytes
             self.peak_full_grad_bytes = max(self.peak_full_grad_bytes, held)
-        if event in ("gather", "free"):
-            self.note_gathered()
+        if event in ("gather", "free"):  # stage 3's full buffers come and go
+            self.gathered_bytes = sum(f.full_bytes for u in self.units for f in u.flats
+                                      if f.mode is FlatMode.OWN and f.is_gathered)
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
         elif event == "backward" and unit.name not in self._backward_logged:
             self._backward_logged.add(unit.name)  # once per backward, whichever output first
         elif event not in ("forward", "reduce"):
@@ -75,11 +77,6 @@ class Meters:
         if self.events is not None:
             self.events.append({"t": time.perf_counter(), "event": event, "unit": unit.name,
                                 "gathered_bytes": self.gathered_bytes})
-
-    def note_gathered(self) -> None:
-        self.gathered_bytes = sum(f.full_bytes() for u in self.units for f in u.flats
-                                  if f.mode is FlatMode.OWN and f.is_gathered)
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
 
 class WrapMeter:
@@ -186,7 +183,7 @@ def step_transients(model) -> dict[str, int]:
     # for config.BUCKET_BYTES of them or the end of backward (schedule.py)
     replicated_grads = sum(_grad_bytes(f, reduce_dtype) for f in trainable
                            if sharded and f.mode is FlatMode.REPLICATED)
-    unit_full = [sum(f.full_bytes() for f in u.flats) for u in units]
+    unit_full = [sum(f.full_bytes for f in u.flats) for u in units]
     grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
     reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)
                for u in units]
@@ -212,7 +209,7 @@ def step_transients(model) -> dict[str, int]:
                    if limits_reductions else 2 * max(reduced), out.get("gather staging", 0)]
     if sharded and not stage_frees_params:
         regathers = min(MAX_GATHERS_IN_FLIGHT * (max(unit_full) + config.BUCKET_BYTES),
-                        sum(f.full_bytes() for f in flats))
+                        sum(f.full_bytes for f in flats))
         collectives.append(regathers)
         if regathers > sum(out.values()):  # forward's peak is the larger
             out = {"gather staging": regathers}

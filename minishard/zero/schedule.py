@@ -84,10 +84,10 @@ class Gatherer:
             return
         i = self.order.index(unit)
         later = self.order[i + 1:] if direction is Pass.FORWARD else self.order[:i][::-1]
-        bucket, size = [(unit, needed)], sum(f.full_bytes() for f in needed)
+        bucket, size = [(unit, needed)], sum(f.full_bytes for f in needed)
         for other in later:
             flats = [f for f in other.flats if f.needs_gather]
-            size += sum(f.full_bytes() for f in flats)
+            size += sum(f.full_bytes for f in flats)
             if size > self.bucket_bytes:
                 break
             bucket.append((other, flats))
@@ -111,7 +111,7 @@ class Gatherer:
         for flat in (f for u in order for f in u.flats if f.needs_gather):
             last = buckets[-1] if buckets else None
             if (last is None or collective_key(last[0]) != collective_key(flat)
-                    or sum(f.full_bytes() for f in last) >= config.BUCKET_BYTES):
+                    or sum(f.full_bytes for f in last) >= config.BUCKET_BYTES):
                 buckets.append([])
             buckets[-1].append(flat)
         self._regather_queue, self._regathers = buckets, []
@@ -162,11 +162,9 @@ class Reducer:
         self._reduced: set[int] = set()     # ids of flats already reduced in this backward
         self._used: set[int] = set()        # find_unused: flats this rank had a gradient for
         self._in_flight: list[tuple[comm.Handle, int]] = []  # reductions and their grad bytes
+        self.in_flight_bytes = 0  # ... their sum (meters.py)
         self._buckets: dict[bool, list[FlatBuffer]] = {}  # ready, not launched: by "is replicated"
         self.shadowing = False  # Join: this rank has joined and runs an empty batch (join.py)
-
-    def in_flight_bytes(self) -> int:
-        return sum(nbytes for _, nbytes in self._in_flight)
 
     def grad_ready(self, unit, flat: FlatBuffer) -> None:
         """``flat`` (of ``unit``) has its whole gradient here: start its reduction (with
@@ -200,7 +198,7 @@ class Reducer:
             self._flush_bucket(replicated)  # one collective moves one dtype
         bucket = self._buckets.setdefault(replicated, [])
         bucket.append(flat)
-        if sum(f.full_bytes() for f in bucket) >= cap:
+        if sum(f.full_bytes for f in bucket) >= cap:
             self._flush_bucket(replicated)
 
     def _flush_bucket(self, replicated: bool) -> None:
@@ -211,9 +209,12 @@ class Reducer:
         if not bucket:
             return
         while self.free_grads_early and len(self._in_flight) >= MAX_REDUCTIONS_IN_FLIGHT:
-            self._in_flight.pop(0)[0].wait()
-        nbytes = sum(f.full_bytes() for f in bucket)
+            handle, nbytes = self._in_flight.pop(0)
+            handle.wait()
+            self.in_flight_bytes -= nbytes
+        nbytes = sum(f.full_bytes for f in bucket)
         self._in_flight.append((reduce_grads(bucket, self.reduce_dtype), nbytes))
+        self.in_flight_bytes += nbytes
 
     def finish(self, sync_grads: bool) -> None:
         """End of backward: reduce what is left, wait for every reduction.
@@ -234,7 +235,7 @@ class Reducer:
             self._flush_bucket(replicated)
         for handle, _ in self._in_flight:
             handle.wait()
-        self._in_flight.clear()
+        self._in_flight, self.in_flight_bytes = [], 0
         if sync_grads:
             for flat, grads_before in unused:  # no rank used it: leave its gradients as they were
                 for p, grad in zip(flat.params, grads_before):
