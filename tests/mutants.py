@@ -244,6 +244,18 @@ MUTANTS = {
         [("minishard/zero/unit.py", "            if not keep_current:\n                flat.mark_stale()",
           "            pass")],
         ["tests/test_writes.py::test_foreach_and_fused_optimizers_train_as_one_process"]),
+    "optimizer_state_of_the_whole_kept": (
+        "an optimizer whose state was loaded before wrapping keeps it for the WHOLE parameter "
+        "(nanoGPT's resume): its step mixes full-shaped moments with this rank's rows",
+        [("minishard/zero/guards.py", "            _keep_state_rows(optimizer.state.get(group[\"params\"][i]), "
+          "group[\"params\"][i])", "            pass")],
+        ["tests/test_your_parameters.py::test_nanogpt_resume_loads_the_optimizer_before_wrapping"]),
+    "optimizer_built_before_steps_the_originals": (
+        "an optimizer built before wrapping keeps stepping the parameters wrapping replaced: "
+        "the model trains nothing (FSDP2's behaviour)",
+        [("minishard/zero/guards.py", "                group[\"params\"][i] = successor()",
+          "                continue")],
+        ["tests/test_zero.py::test_optimizer_built_before_wrapping_trains"]),
     "joined_rank_backward_from_the_sum": (
         "under Join a joined rank backpropagates the sum of its outputs: an output that does "
         "not depend on the batch (CLIP's logit scale) sends its own gradient",

@@ -1,5 +1,6 @@
 """The bad-input catalogue: every case gets a clear error that names the problem (never a hang,
 never silent wrong numbers). Each test checks the MESSAGE, not only the exception type."""
+import gc
 import os
 
 import pytest
@@ -58,12 +59,29 @@ def deepcopy_then_the_advice(stage):
 
 def optimizer_before_wrapping():
     """Built before wrapping over parameters the engine cannot keep: meta tensors (deferred
-    init) are replaced by real ones. (Over real parameters it trains: test_zero.py.)"""
+    init) are replaced by real ones, which it steps (plain SGD: w - lr * the mean gradient of
+    out.sum(), that is x's column sums for the weight and the batch size for the bias)."""
     with torch.device("meta"):
         module = nn.Linear(3, 3)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)   # the bug: built before wrapping
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)   # nanoGPT's order: before wrapping
     model = minishard.ZeRO(module, stage=3, device="cpu")
-    model(torch.randn(2, 3)).sum().backward()
+    before = model.full_state_dict()
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))  # every rank the same
+    model(x).sum().backward()
+    opt.step()
+    after = model.full_state_dict()
+    want = {"weight": before["weight"] - 0.1 * x.sum(0).expand(3, 3), "bias": before["bias"] - 0.2}
+    return max((after[k] - v).abs().max().item() for k, v in want.items())
+
+
+def optimizer_of_a_dropped_model():
+    """The model that replaced the parameters is gone: its successors went with it."""
+    with torch.device("meta"):
+        module = nn.Linear(3, 3)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    minishard.ZeRO(module, stage=3, device="cpu")  # dropped at once, with its module
+    del module
+    gc.collect()
     opt.step()
 
 
@@ -172,9 +190,11 @@ def test_deepcopy_is_refused_with_the_way_to_copy(pools, stage):
         assert "model.full_state_dict()" in message and same
 
 
-def test_optimizer_over_unwrapped_parameters(pools):
-    with pytest.raises(RankError, match="BEFORE minishard.ZeRO wrapped it.*Build the optimizer AFTER"):
-        pools(2).run(optimizer_before_wrapping)
+def test_optimizer_over_replaced_parameters_steps_their_successors(pools):
+    assert max(pools(2).run(optimizer_before_wrapping)) < 1e-6
+    with pytest.raises(RankError, match="holds a parameter of a module that minishard.ZeRO "
+                                        "wrapped, and that engine is gone"):
+        pools(2).run(optimizer_of_a_dropped_model)
 
 
 def test_ranks_with_different_stages(pools):

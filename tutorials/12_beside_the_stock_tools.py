@@ -123,7 +123,7 @@ mesh=init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     FSDP1      ShardingStrategy.HYBRID_SHARD (stage 3), _HYBRID_SHARD_ZERO2 (stage 2); none for 1
     FSDP2      fully_shard(m, mesh=init_device_mesh("cuda", (R, S)))  (HSDP; stages 2-3)
     DeepSpeed  "zero_optimization": {"stage": 3, "mics_shard_size": S}  (MiCS; hpZ is not this)
-AdamW(groups over m.named_parameters(), e.g. decay where p.dim() >= 2)  (after wrapping: DTensors)
+AdamW(groups by name, e.g. decay where p.dim() >= 2)  (before wrapping or after: DTensors)
     FSDP1      use_orig_params=True, then groups over m.named_parameters() as usual
     FSDP2      groups over m.named_parameters() as usual (DTensor parameters)
     DeepSpeed  deepspeed.initialize(model=m, model_parameters=groups)

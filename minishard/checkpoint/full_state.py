@@ -22,6 +22,7 @@ from minishard import comm
 from minishard.checkpoint.files import CheckpointError
 from minishard.zero.params import local
 from minishard.zero.flat import FlatMode
+from minishard.zero.guards import adopt_optimizer, whole_state
 from minishard.verdicts import rank0_verdict
 
 __all__ = ["gathered", "full_state_dict", "load_full_state_dict", "full_optimizer_state_dict",
@@ -259,7 +260,9 @@ def split_state(state: dict, shard: torch.Tensor) -> tuple[dict, dict]:
 
 
 def group_param_names(model, optimizer) -> list[list[str]]:
-    """For each param group of ``optimizer``, the names of the parameters it holds."""
+    """For each param group of ``optimizer``, the names of the parameters it holds (one built
+    before wrapping is adopted first, as at its first step: zero/guards.py)."""
+    adopt_optimizer(optimizer, (), {})
     name_of = {id(param.user): name for name, param in named_params(model)}
     groups = []
     for i, group in enumerate(optimizer.param_groups):
@@ -387,8 +390,7 @@ def _my_rows_of_state(param, state: dict | None) -> dict | None:
     if not state:
         return None
     flat, j = param.flat, param.index
-    return {k: flat.my_rows(j, v).clone() if isinstance(v, torch.Tensor)
-            and v.shape == flat.shapes[j] and k != "step" else
+    return {k: flat.my_rows(j, v).clone() if whole_state(k, v, flat.shapes[j]) else
             (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 

@@ -23,6 +23,7 @@ This runs once, when ``minishard.ZeRO`` wraps a model. What happens, in order:
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -214,8 +215,9 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
 
 def _adopt(unit: Unit, meter: WrapMeter) -> None:
     """The values are in the flat buffers: each original parameter now holds this rank's rows
-    (its previous storage is freed), and every place holds it. One that cannot be kept (a meta
-    tensor, another device) is replaced and marked, to catch an optimizer built over it. The
+    (its previous storage is freed), and every place holds it. One that cannot be kept (stages
+    1-3: a DTensor; a meta tensor, another device) is replaced: an optimizer built over it
+    steps its successor (guards.py). The
     module is marked wrapped here, when its parameters change: a wrap that fails before (a
     deferred initialiser that raises) leaves the model as it was, to wrap again."""
     unit.module._minishard_unit = unit.name
@@ -224,7 +226,7 @@ def _adopt(unit: Unit, meter: WrapMeter) -> None:
         originals = [p.places[0].module._parameters[p.places[0].attr] for p in params]
         meter.drop(storage_bytes(originals))
         for original, new in zip(originals, flat.adopt(originals)):
-            if new is not original:
-                original._minishard_replaced = True
+            if new is not original:  # an optimizer built over it steps ``new`` (guards.py)
+                original._minishard_successor = weakref.ref(new)
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
     unit.to_sharded()

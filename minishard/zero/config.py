@@ -200,7 +200,7 @@ def check_same_config(module: nn.Module, stage: int, group) -> None:
 # ------------------------------------------------------------------------ optimizer groups
 # [Note: param_groups] ``param_groups``: optimizer groups over the module's parameters before
 # wrapping; ``model.param_groups()`` returns them over the user parameters. Simpler: build the
-# groups after wrapping, from ``model.named_parameters()``, as for the unwrapped model.
+# optimizer over the module, before wrapping or after, as for the unwrapped model.
 # Parameters not listed form a last group with no options.
 def param_group_index(module: nn.Module, param_groups: list[dict] | None):
     """``param_groups`` over the original parameters -> (group index of a parameter, each

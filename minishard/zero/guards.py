@@ -12,11 +12,12 @@ say what to do. Each is set up once, when the engine wraps a model; none costs a
    3, during a forward, a unit done with its forward shows :class:`Released` stand-ins of the
    right shape and no storage: any use names the parameter and its unit, instead of computing
    with this rank's rows (or torch's opaque shape error).
-3. **An optimizer built before wrapping** (:func:`refuse_orphaned_params`, a global optimizer
-   step pre-hook): at stages 1-3 every parameter is replaced by a DTensor (as FSDP2 does), so
-   such an optimizer is refused at its first step; at stage 0 the module keeps its objects and
-   it trains, unless it holds one the engine had to replace (deferred init) or state shaped for
-   the full parameters (it stepped before wrapping).
+3. **An optimizer built before wrapping** (:func:`adopt_optimizer`, a global optimizer step
+   pre-hook): nanoGPT's and DDP's order (build it, maybe load its state, then wrap). At stages
+   1-3 every parameter is replaced by a DTensor (as under FSDP2, where such an optimizer would
+   silently train nothing), so at its first step the optimizer is pointed at the parameters
+   the model uses, and state shaped for a full parameter (loaded or stepped before wrapping,
+   or a full optimizer state dict loaded after) keeps this rank's rows of it.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Released", "guard_parameters", "refuse_orphaned_params", "refuse_deepcopy"]
+__all__ = ["Released", "guard_parameters", "adopt_optimizer", "whole_state", "refuse_deepcopy"]
 
 
 class Released(torch.Tensor):
@@ -113,42 +114,57 @@ def _refuse_direct_use(name: str, unit: str):
     return hook
 
 
-# ------------------------------------------------------------------- global optimizer guard
+# ------------------------------------------------------------------- global optimizer hook
 _checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
 
-def refuse_orphaned_params(optimizer, args, kwargs) -> None:
-    """The classic stale-parameter bug: the optimizer was built over the module's parameters
-    BEFORE wrapping, so it updates tensors the model does not use. Caught at the first step."""
+def adopt_optimizer(optimizer, args, kwargs) -> None:
+    """Guard 3, before each optimizer step: an optimizer not seen since the last wrap or since
+    it loaded a state dict is checked once, and adopted."""
     if optimizer not in _checked_optimizers:
-        _check_once(optimizer)
+        _adopt(optimizer)
 
 
-def _check_once(optimizer) -> None:
+def _adopt(optimizer) -> None:
+    """Each parameter the engine replaced gives way to its successor (the user parameter the
+    model uses), with its state; state shaped for a whole parameter keeps this rank's rows."""
     for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, "_minishard_replaced", False):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds a parameter of the module as it was BEFORE "
-                    "minishard.ZeRO wrapped it, one ZeRO replaced (at stages 1-3 every parameter "
-                    "becomes a DTensor of this rank's rows, as under FSDP2; at stage 0 one on "
-                    "the meta device or another device), so this optimizer would update a tensor "
-                    "the model does not use. Build the optimizer AFTER wrapping, over the "
-                    "wrapper: opt = torch.optim.AdamW(zero_model.parameters(), ...)")
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state.get(p, {}) if hasattr(p, "_minishard_slot") else {}
-            if any(isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape != p.shape
-                   for v in state.values()):
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} has state shaped for the full parameters (it "
-                    "stepped before minishard.ZeRO wrapped the model), but each parameter now "
-                    "holds this rank's rows. Build the optimizer after wrapping and load its "
-                    "state with minishard.load_full_optimizer_state_dict.")
+        for i, p in enumerate(group["params"]):
+            successor = getattr(p, "_minishard_successor", None)
+            if successor is not None:
+                if successor() is None:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds a parameter of a module that "
+                        "minishard.ZeRO wrapped, and that engine is gone: build the optimizer "
+                        "over the parameters of the model you train.")
+                group["params"][i] = successor()
+                if p in optimizer.state:
+                    optimizer.state[successor()] = optimizer.state.pop(p)
+            _keep_state_rows(optimizer.state.get(group["params"][i]), group["params"][i])
+    if not getattr(optimizer, "_minishard_hooked", False):
+        optimizer._minishard_hooked = True  # a state dict loaded later is checked again
+        optimizer.register_load_state_dict_post_hook(_checked_optimizers.discard)
     _checked_optimizers.add(optimizer)
 
 
-register_optimizer_step_pre_hook(refuse_orphaned_params)
+def whole_state(key: str, value, shape: torch.Size) -> bool:
+    """Is ``value`` per-element optimizer state of a WHOLE parameter of ``shape`` (Adam's
+    moments, momentum; not the step count, even of a 0-dim parameter)?"""
+    return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
+
+
+def _keep_state_rows(state: dict | None, p: torch.Tensor) -> None:
+    """Per-element state of a whole parameter, plain tensors, becomes this rank's rows of it,
+    as the parameter itself (stages 1-3)."""
+    flat, j = getattr(p, "_minishard_slot", (None, None))
+    if not state or flat is None or flat.spec is None:  # not ours, or stage 0: full already
+        return
+    for key, value in state.items():
+        if type(value) is torch.Tensor and whole_state(key, value, flat.shapes[j]):
+            state[key] = flat.as_user(j, flat.my_rows(j, value).clone())
+
+
+register_optimizer_step_pre_hook(adopt_optimizer)
 
 
 def refuse_deepcopy(engine, memo=None):
