@@ -8,22 +8,31 @@ below in its own shape (smaller, the same modules, the same initialisation, the 
 train.py under DDP is marked ``# PORT:`` in the code; here is each one, and why:
 
     nanoGPT (DDP)                                       minishard stage 3
-    optimizer = model.configure_optimizers(...)         the same call, moved AFTER wrapping:
-      (before DDP(...))                                 stages 1-3 replace the parameters with
-                                                        DTensors of this rank's rows (FSDP2's
-                                                        rule); one built before is refused
     model = DDP(model, device_ids=[ddp_local_rank])     model = minishard.ZeRO(model, stage=3,
                                                         units={Block})  (each Block gathers and
                                                         frees on its own; the tied wte/lm_head
                                                         weight lives in the root unit)
+    if iter_num % eval_interval == 0 and                the same without ``and master_process``:
+      master_process:  (evaluate, then save)            at stage 3 every rank must run each
+                                                        forward (its gathers); rank 0 alone
+                                                        would wait for the others
+    'model': raw_model.state_dict(),                    'model': model.full_state_dict(
+                                                        rank0_only=True), the full tensors
+    'optimizer': optimizer.state_dict(),                'optimizer': minishard.
+                                                        full_optimizer_state_dict(model,
+                                                        optimizer): torch's own format, the
+                                                        plain optimizer's numbering
+    torch.save(checkpoint, path)                        if master_process: torch.save(...), the
+                                                        gathers above having run on every rank
     lossf = loss.item() * gradient_accumulation_steps   the same, then all-reduced: rank 0 alone
       (rank 0's own loss)                               logs the mean over EVERY rank's batches
-    torch.save({'model': raw_model.state_dict(),        minishard.save_checkpoint(dir, model,
-      'optimizer': optimizer.state_dict(),              optimizer, extra={'iter_num': ...,
-      'iter_num': ..., 'best_val_loss': ...}, f)        'best_val_loss': ...}) on EVERY rank: a
-      on rank 0 only                                    rank-0 dict would hold rank 0's rows only
-    checkpoint = torch.load(f); ...load_state_dict      meta = minishard.load_checkpoint(dir,
-      iter_num = checkpoint['iter_num']                 model, optimizer); meta['extra']['iter_num']
+
+The checkpoint is nanoGPT's own file, full tensors under nanoGPT's names, so the resume is
+nanoGPT's, unchanged: ``model.load_state_dict(checkpoint['model'])`` into the plain model and
+``optimizer.load_state_dict(checkpoint['optimizer'])`` BEFORE wrapping. The optimizer too is
+built before wrapping, as nanoGPT does: at its first step minishard points it at the DTensors
+that replaced the parameters, each state tensor keeping this rank's rows (under FSDP2 such an
+optimizer would silently train nothing: there it must move after ``fully_shard``).
 
 Unchanged, and why that is right: ``model.require_backward_grad_sync = (micro_step ==
 gradient_accumulation_steps - 1)`` (ZeRO honours DDP's flag: False accumulates as ``no_sync()``);
@@ -143,7 +152,7 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------- nanoGPT's train.py, short
-BATCH_SIZE, GRAD_ACCUM, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS, GRAD_CLIP = 2, 12, 6, 3, 2, 1.0
+BATCH_SIZE, GRAD_ACCUM, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS, GRAD_CLIP = 2, 12, 6, 3, 2, 0.25
 LEARNING_RATE, WEIGHT_DECAY, BETAS = 1e-2, 0.1, (0.9, 0.95)
 DATA = torch.Generator().manual_seed(7)
 TOKENS = {split: torch.randint(VOCAB, (4000,), generator=DATA) for split in ("train", "val")}
@@ -182,26 +191,36 @@ def lr_at(it):  # nanoGPT's warmup + cosine decay, shortened
 def train(rank, world, ddp, out_dir, stop_at=MAX_ITERS, resume=False, say=print):
     """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch)."""
     torch.manual_seed(1337)
+    master_process = rank == 0
+    ckpt_path = os.path.join(out_dir, "ckpt.pt") if out_dir else None
     model = GPT()
+    iter_num, best_val_loss = 0, 1e9
+    if resume:  # nanoGPT's resume, unchanged: every rank reads the full checkpoint
+        checkpoint = torch.load(ckpt_path, weights_only=True)
+        model.load_state_dict(checkpoint["model"])
+        iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     grad_accum = GRAD_ACCUM // world if ddp else GRAD_ACCUM  # as nanoGPT: tokens/iter fixed
+    optimizer = model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, BETAS)
+    if resume:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    checkpoint = None
     if ddp:
         model = minishard.ZeRO(model, stage=3, units={Block})  # PORT: was DDP(model, ...)
-    raw_model = model.module if ddp else model
-    optimizer = raw_model.configure_optimizers(WEIGHT_DECAY, LEARNING_RATE, BETAS)  # PORT: after
-    iter_num, best_val_loss = 0, 1e9
-    if resume:
-        meta = minishard.load_checkpoint(out_dir, model, optimizer)  # PORT: was torch.load
-        iter_num, best_val_loss = meta["extra"]["iter_num"], meta["extra"]["best_val_loss"]
     while iter_num < stop_at:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(iter_num)
-        if iter_num % EVAL_INTERVAL == 0 and iter_num > 0:
+        if iter_num % EVAL_INTERVAL == 0 and iter_num > 0:  # PORT: nanoGPT adds "and
+            # master_process": at stage 3 every rank must run the forwards (their gathers)
             losses = estimate_loss(model, iter_num, rank if ddp else 0, world if ddp else 1)
             say(f"  step {iter_num}: train loss {losses['train']:.4f}, val {losses['val']:.4f}")
             best_val_loss = min(best_val_loss, losses["val"].item())
-            if ddp and iter_num == 3 and not resume:  # PORT: every rank, its rows + extra state
-                minishard.save_checkpoint(out_dir, model, optimizer, extra={
-                    "iter_num": iter_num, "best_val_loss": best_val_loss})
+            if ddp and iter_num == 3 and not resume:
+                checkpoint = {
+                    "model": model.full_state_dict(rank0_only=True),  # PORT: raw_model.state_dict()
+                    "optimizer": minishard.full_optimizer_state_dict(model, optimizer),  # PORT
+                    "iter_num": iter_num, "best_val_loss": best_val_loss}
+                if master_process:  # PORT: the gathers above ran on every rank
+                    torch.save(checkpoint, ckpt_path)
         for micro_step in range(grad_accum):
             if ddp:
                 model.require_backward_grad_sync = (micro_step == grad_accum - 1)
@@ -209,7 +228,8 @@ def train(rank, world, ddp, out_dir, stop_at=MAX_ITERS, resume=False, say=print)
             _, loss = model(*get_batch("train", iter_num, sample))
             loss = loss / grad_accum
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
+        assert norm > GRAD_CLIP, norm  # lesson only: the clip is active on every step
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         lossf = loss.detach() * grad_accum
@@ -234,7 +254,7 @@ def main(rank: int, world: int) -> None:
     out_dir = tempfile.mkdtemp() if rank == 0 else None
     box = [out_dir]
     dist.broadcast_object_list(box, src=0)
-    out_dir = os.path.join(box[0], "ckpt")
+    out_dir = box[0]
     try:
         say(f"1. nanoGPT's loop at stage 3, {world} rank(s), {GRAD_ACCUM // world} micro-batches "
             "each per iteration:")
@@ -248,8 +268,8 @@ def main(rank: int, world: int) -> None:
         say("3. resume: a fresh model loads the iteration-3 checkpoint and finishes")
         resumed = weights(train(rank, world, ddp=True, out_dir=out_dir, resume=True, say=say))
         assert all(torch.equal(resumed[k], ported[k]) for k in ported)
-        say("   resumed == uninterrupted, bit for bit (weights and AdamW state came back; "
-            "iter_num and best_val_loss from extra=)")
+        say("   resumed == uninterrupted, bit for bit (nanoGPT's own checkpoint file: full "
+            "weights and AdamW state, loaded before wrapping)")
         say("\nAll assertions held.")
     finally:
         dist.barrier()
