@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+import zlib
 from datetime import timedelta
 
 import torch
@@ -30,7 +31,7 @@ __all__ = [
     "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
     "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "all_gather_object",
-    "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS",
+    "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp", "stamps_differ",
 ]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
@@ -121,6 +122,36 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
             f"{sides}\nEvery rank must issue the same collectives in the same order: look for "
             "a branch that depends on the rank or on its data (a layer skipped on one rank, "
             "units run in another order, batches of different shapes).")
+
+
+# [Note: stamps] A stamp says what a collective IS (which buffers), inside its own payload: the
+# engine's all-gathers end each rank's row with one, and the receiver compares them before any
+# value is used, always on, for a few bytes per message and no extra collective. Ranks that
+# issue different gathers of equal size (an evaluation on rank 0 only, answered by the other
+# ranks' training gathers) otherwise compute with the wrong parameters, then hang. A stamp is a
+# CRC of the description (4 bytes) and its first 28 bytes, for the message.
+STAMP_BYTES = 32
+
+
+def stamp(what: str, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """The stamp of ``what`` as elements of ``dtype`` (STAMP_BYTES of them, rounded up): a
+    payload's rows end with it; compare the rows' stamps as bytes (``view(torch.uint8)``)."""
+    raw = zlib.crc32(what.encode()).to_bytes(4, "little") + what.encode()[:STAMP_BYTES - 4]
+    raw = raw.ljust(-(-STAMP_BYTES // dtype.itemsize) * dtype.itemsize, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).to(device)
+
+
+def stamps_differ(stamps: torch.Tensor, group, op: str) -> None:
+    """Raise: the rows of ``stamps`` (bytes, one per rank in group order) are not all equal."""
+    said = [bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace")
+            for row in stamps.cpu()]
+    sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in enumerate(said))
+    raise CollectiveMismatch(
+        "minishard: the ranks issued DIFFERENT collectives of the same size, so the numbers "
+        f"they exchanged mean nothing (none was used):\n{sides}\nEvery rank must run the same "
+        "forwards and backwards in the same order. The usual cause: a forward on some ranks "
+        "only, such as an evaluation under `if rank == 0` (nanoGPT's `and master_process`) at "
+        "stages 1-3: evaluate on every rank. MINISHARD_DEBUG=1 names every collective.")
 
 
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,

@@ -256,6 +256,12 @@ MUTANTS = {
         [("minishard/zero/guards.py", "                group[\"params\"][i] = successor()",
           "                continue")],
         ["tests/test_zero.py::test_optimizer_built_before_wrapping_trains"]),
+    "stamps_not_checked": (
+        "the ranks' stamps are not compared: rank 0's evaluation at stage 3 computes with the "
+        "parameters of the unit the other ranks gather in backward, then hangs",
+        [("minishard/zero/flat.py", "    if not bool(stamps.eq(stamps[:1]).all()):",
+          "    if False:")],
+        ["tests/test_stamps.py::test_rank0_only_evaluation_raises_on_every_rank_before_a_loss_is_reported"]),
     "joined_rank_backward_from_the_sum": (
         "under Join a joined rank backpropagates the sum of its outputs: an output that does "
         "not depend on the batch (CLIP's logit scale) sends its own gradient",

@@ -42,7 +42,7 @@ from minishard import comm
 from minishard.zero.params import Spec, local
 
 __all__ = ["Layout", "FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in",
-           "copy_out", "collective_key", "rows_of"]
+           "land", "collective_key", "rows_of"]
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -185,6 +185,7 @@ class FlatBuffer(Layout):
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
         self.full_bytes = self.padded_numel * values.element_size()  # full's storage, gathered
+        self.stamp = comm.stamp(name, self.param_dtype, values.device)  # ends a gather's rows
         self.current = False  # full holds the shards as they are now (needs_gather)
         # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
         self.dspecs = [spec.of(shape, self.dtype) for shape in self.shapes] if spec else []
@@ -359,10 +360,16 @@ def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tens
         start += flat.shard_numel
 
 
-def copy_out(flats: list[FlatBuffer], gathered: torch.Tensor) -> None:
-    """The gathered shards (N x the flats' k's, rank-major) into each flat's ``full``, one op:
-    parameter j's region of full, viewed (N, width_j), is gathered's columns of j."""
-    torch.split_with_sizes_copy(gathered, [w for f in flats for w in f.widths], dim=1,
+def land(flats: list[FlatBuffer], staging: torch.Tensor, work) -> None:
+    """After a gather: every rank's row must end with this rank's stamp ([Note: stamps] in
+    comm.py), then the gathered shards (N x the flats' k's, rank-major) go into each flat's
+    ``full``, one op: parameter j's region of full, viewed (N, width_j), is columns of j."""
+    work.wait()
+    k = staging.shape[1] - flats[0].stamp.numel()
+    stamps = staging[:, k:].view(torch.uint8)  # as bytes: a float compare would fail on NaN
+    if not bool(stamps.eq(stamps[:1]).all()):
+        comm.stamps_differ(stamps, flats[0].group, "all_gather")
+    torch.split_with_sizes_copy(staging[:, :k], [w for f in flats for w in f.widths], dim=1,
                                 out=[region for f in flats for region in f.regions(f.full.data)])
 
 
@@ -371,13 +378,13 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
     dtype) into their ``full`` buffers in ONE collective. Returns the handle, also left in each
     flat's ``pending``: any flat's ``wait()`` (or the next gather into it) lands them all::
 
-        flat A (k=2), flat B (k=3):   this rank's row of staging = [A's shard, B's shard]
-        staging (N x 5) after the gather:  rank 0 [a0 a1 b0 b1 b2]
-                                           rank 1 [a2 a3 b3 b4 b5]
-        A's full from staging[:, 0:2], B's from staging[:, 2:5]            (copy_out)
+        flat A (k=2), flat B (k=3):   this rank's row of staging = [A's shard, B's shard, stamp]
+        staging (N x (5+s)) after the gather:  rank 0 [a0 a1 b0 b1 b2 | stamp]
+                                               rank 1 [a2 a3 b3 b4 b5 | stamp]
+        the stamps agree; A's full from staging[:, 0:2], B's from staging[:, 2:5]   (land)
 
-    When full and the shard share a layout (one parameter, or N = 1), full itself is the output:
-    no staging, no copy. At stage 0 under a cast there are no shards: the gather is the cast."""
+    The stamp ([Note: stamps] in comm.py) says which buffers the gather is for. At N = 1 full is
+    the shard: no staging. At stage 0 under a cast there are no shards: the gather is the cast."""
     first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
     with torch.no_grad():
         for flat in flats:
@@ -386,16 +393,18 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
             for flat in flats:
                 flat.full.data.copy_(flat.shard)
             return comm.Handle()
-        if len(flats) == 1 and first.same_layout:  # rank r's row of full is its shard
-            mine = first.full.data.view(first.chunks, -1)[rank]
+        if first.chunks == 1:  # one rank: full is its shard
+            mine = first.full.data.view(1, -1)[0]
             if first.shard is not None:
                 mine.copy_(first.shard)
             handle = comm.all_gather(first.full.data, mine, first.group, async_op=True, tag=tag)
-        else:
-            staging = first.full.new_empty(first.chunks, sum(f.shard_numel for f in flats))
-            torch.cat([piece for f in flats for piece in f.send_pieces()], out=staging[rank])
+        else:  # each rank's row: its shards, then the leading buffer's stamp (comm.py)
+            staging = first.full.new_empty(
+                first.chunks, sum(f.shard_numel for f in flats) + first.stamp.numel())
+            torch.cat([piece for f in flats for piece in f.send_pieces()] + [first.stamp],
+                      out=staging[rank])
             work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag)
-            handle = comm.Handle(then=lambda: (work.wait(), copy_out(flats, staging)))
+            handle = comm.Handle(then=lambda: land(flats, staging, work))
     for flat in flats:
         flat.pending = handle
     if not async_op:

@@ -1,0 +1,77 @@
+"""Stamps: ranks that issue different gathers of the same size fail before any number is used.
+
+The case users meet first (issue "Hangs that explain themselves"): nanoGPT evaluates under
+``if ... and master_process``. At stage 3 rank 0's evaluation gathers are answered by the other
+ranks' training gathers: the first forward matches (the same units in the same order), then the
+others' backward gathers the units in reverse while rank 0's next forward gathers from the front.
+Equal sizes, so without a stamp rank 0 computes with another unit's parameters and reports a
+wrong loss (then hangs). With the stamp every rank raises ``CollectiveMismatch`` naming both
+sides, before rank 0 reports any loss. The oracle is the message and where it is raised, plus a
+control: the same loop evaluating on EVERY rank runs to the end.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minishard
+from minishard import comm
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def evaluate_on(who: str, stage: int) -> dict:
+    """nanoGPT's loop shape: every 2nd iteration an evaluation of 2 batches, on rank 0 only
+    (``who="rank 0"``) or on every rank; returns the losses reported and the error, if any."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(*[Block() for _ in range(3)]), stage=stage,
+                           units={Block})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reported = []
+    try:
+        for it in range(4):
+            if it % 2 == 0 and (who == "every rank" or rank == 0):
+                with torch.no_grad():
+                    losses = [model(torch.randn(2, 8)).square().mean().item() for _ in range(2)]
+                reported.append(sum(losses) / 2)  # nanoGPT prints it here
+            model(torch.randn(2, 8)).square().mean().backward()
+            opt.step(), opt.zero_grad()
+    except comm.CollectiveMismatch as exc:
+        return {"reported": reported, "error": str(exc)}
+    return {"reported": reported, "error": None}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_rank0_only_evaluation_raises_on_every_rank_before_a_loss_is_reported(pools, world):
+    outs = pools(world).run(evaluate_on, "rank 0", 3)
+    for rank, out in enumerate(outs):
+        assert out["error"] is not None, (rank, out)
+        assert "DIFFERENT collectives" in out["error"] and "rank 0: all_gather of 0/" in \
+            out["error"], out["error"]
+    assert outs[0]["reported"] == [], outs[0]  # raised inside the evaluation: nothing reported
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_evaluating_on_every_rank_runs_to_the_end(pools, stage):
+    for out in pools(2).run(evaluate_on, "every rank", stage):
+        assert out["error"] is None and len(out["reported"]) == 2, out
+
+
+def test_a_stamp_is_bytes_of_its_description():
+    """Equal descriptions give equal bytes in any dtype; different ones differ in the CRC even
+    past the 28 bytes kept for the message."""
+    long = "h.10/float32+" * 4
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        a, b = comm.stamp("0/float32", dtype), comm.stamp("0/float32", dtype)
+        assert a.dtype == dtype and a.numel() * dtype.itemsize >= comm.STAMP_BYTES
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        c, d = comm.stamp(long + "a", dtype), comm.stamp(long + "b", dtype)
+        assert not torch.equal(c.view(torch.uint8), d.view(torch.uint8))
