@@ -14,7 +14,6 @@ Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a
 from __future__ import annotations
 
 import os
-import pickle
 import time
 import zlib
 from datetime import timedelta
@@ -28,10 +27,11 @@ from minishard.costs import (ALPHA, BETA, Entry, Ledger, all_reduce_algorithms, 
 
 __all__ = [
     "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
-    "broadcast", "group_size", "group_rank", "check_member", "ring_bytes", "all_reduce_terms",
+    "broadcast", "group_size", "group_rank", "ring_bytes", "all_reduce_terms",
     "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
-    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "all_gather_object",
+    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA",
     "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp", "stamps_differ",
+    "CollectiveError", "set_timeout",
 ]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
@@ -91,15 +91,10 @@ def set_debug(enabled: bool, timeout: float | None = None) -> None:
 
 
 def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: str) -> None:
-    """Debug mode: before a collective, every rank shows the others what it is about to call.
-
-    Ranks that take different code paths (one skips a SyncBatchNorm forward, two disagree on the
-    order of ZeRO units) otherwise hang forever, or worse, sum unrelated tensors of equal size.
-    Here every rank all-gathers a fingerprint (op, shape, dtype, who asked) and compares; a
-    mismatch raises on every rank that sees it, naming all sides; a rank left waiting because
-    another skipped the collective raises after the debug timeout. Costs one small all-gather per
-    collective, and nothing at all when off.
-    """
+    """Debug mode: before a collective every rank all-gathers a fingerprint of it (op, shape,
+    dtype, who asked) and compares: ranks on different code paths (a SyncBatchNorm forward
+    skipped, units in another order) raise, all sides named, instead of hanging or summing
+    unrelated tensors of equal size. One small all-gather per collective; nothing when off."""
     mine = f"{op} shape={tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} from {tag or '?'}"
     raw = mine.encode()[:_FINGERPRINT_BYTES].ljust(_FINGERPRINT_BYTES, b"\0")
     send = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(tensor.device)
@@ -124,27 +119,24 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
             "units run in another order, batches of different shapes).")
 
 
-# [Note: stamps] A stamp says what a collective IS (which buffers), inside its own payload: the
-# engine's all-gathers end each rank's row with one, and the receiver compares them before any
-# value is used, always on, for a few bytes per message and no extra collective. Ranks that
-# issue different gathers of equal size (an evaluation on rank 0 only, answered by the other
-# ranks' training gathers) otherwise compute with the wrong parameters, then hang. A stamp is a
-# CRC of the description (4 bytes) and its first 28 bytes, for the message.
+# [Note: stamps] What a collective IS, in its own payload: the engine's all-gathers end each
+# rank's row with a stamp (CRC of the buffers' names, then the names' first 28 bytes), compared
+# before any value is used. Always on, no extra collective: ranks issuing different gathers of
+# equal size (rank 0 evaluating alone) raise instead of computing with another unit's values.
+# The ledger leaves stamps out (32 bytes per rank and gather; the formulas count tensors).
 STAMP_BYTES = 32
 
 
-def stamp(what: str, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """The stamp of ``what`` as elements of ``dtype`` (STAMP_BYTES of them, rounded up): a
-    payload's rows end with it; compare the rows' stamps as bytes (``view(torch.uint8)``)."""
+def stamp(what: str, itemsize: int) -> bytearray:
+    """``what``'s stamp (STAMP_BYTES, rounded up to whole elements of ``itemsize`` bytes): a
+    payload's rows end with ``torch.frombuffer(stamp, dtype=...)``; compare them as bytes."""
     raw = zlib.crc32(what.encode()).to_bytes(4, "little") + what.encode()[:STAMP_BYTES - 4]
-    raw = raw.ljust(-(-STAMP_BYTES // dtype.itemsize) * dtype.itemsize, b"\0")
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).to(device)
+    return bytearray(raw.ljust(-(-STAMP_BYTES // itemsize) * itemsize, b"\0"))
 
 
 def stamps_differ(stamps: torch.Tensor, group, op: str) -> None:
     """Raise: the rows of ``stamps`` (bytes, one per rank in group order) are not all equal."""
-    said = [bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace")
-            for row in stamps.cpu()]
+    said = [bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace") for row in stamps.cpu()]
     sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in enumerate(said))
     raise CollectiveMismatch(
         "minishard: the ranks issued DIFFERENT collectives of the same size, so the numbers "
@@ -155,14 +147,15 @@ def stamps_differ(stamps: torch.Tensor, group, op: str) -> None:
 
 
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
-            algorithm: str = "ring") -> None:
-    """Every collective passes here first: the ledger, and the debug consistency check. A backend
-    moves memory in STORAGE order (a transposed tensor would arrive scrambled, silently): every
-    collective below hands it ``x.contiguous()`` and copies a result back."""
+            algorithm: str = "ring") -> str:
+    """Every collective passes here first: the ledger, the debug check; returns what it is (for
+    errors). A backend moves memory in STORAGE order (a transposed tensor would arrive scrambled,
+    silently): every collective below hands it ``x.contiguous()`` and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
     record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
+    return f"{op} of {tag or 'an untagged tensor'}"
 
 
 # ------------------------------------------------------------------------------------ groups
@@ -187,38 +180,39 @@ def group_dim(group=None) -> str:
     return desc[len("mesh_"):] if desc.startswith("mesh_") else ""
 
 
-def check_member(group, who: str) -> None:
-    """Raise a clear error if this rank is not in ``group`` (a collective there would never return)."""
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"{who}: torch.distributed is not initialized. Call "
-            "torch.distributed.init_process_group(...) first (torchrun sets the environment for it).")
-    if group is not None and dist.get_rank(group) < 0:
-        raise ValueError(
-            f"{who}: this rank (global rank {dist.get_rank()}) is not a member of the process group "
-            "it was given. Pass a group that contains this rank, or do not call it on this rank.")
-
-
 # ------------------------------------------------------------------------------------ handles
+class CollectiveError(RuntimeError):
+    """A collective did not complete here: past MINISHARD_TIMEOUT, or failed by the backend."""
+
+
+_timeout = {"limit": timedelta(seconds=float(os.environ.get("MINISHARD_TIMEOUT", "600")))}
+
+
+def set_timeout(seconds: float) -> None:  # how long a rank waits in one of comm's collectives
+    _timeout["limit"] = timedelta(seconds=seconds)
+
+
 class Handle:
-    """What an async collective returns. ``wait()`` blocks until the result is in place."""
+    """What an async collective returns. ``wait()`` blocks until the result is in place, and
+    raises :class:`CollectiveError` naming the collective (``what``) if it never comes."""
 
-    def __init__(self, work=None, then=None) -> None:
+    def __init__(self, work=None, then=None, what: str = "a collective") -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
-        self._then = then
+        self._then, self.what = then, what
 
-    @property
-    def waited(self) -> bool:
-        """True once ``wait()`` has run (the result is in place)."""
-        return not self._works and self._then is None
+    waited = property(lambda self: not self._works and self._then is None,
+                      doc="True once ``wait()`` has run (the result is in place).")
 
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
         """Wait for every work (the time blocked goes to every open ledger), then ``then``."""
         if self._works:
             works, self._works, start = self._works, [], time.perf_counter()
-            for work in works:
-                work.wait()
+            try:
+                for work in works:
+                    work.wait(timeout=_timeout["limit"])
+            except RuntimeError as exc:
+                raise _failed(self.what, exc, time.perf_counter() - start) from exc
             end = time.perf_counter()
             for led in costs.OPEN:
                 led.blocked_s += end - start
@@ -229,7 +223,16 @@ class Handle:
             then()
 
 
-def _finish(work, async_op: bool, then=None, tensor=None, dense=None):
+def _failed(what: str, exc: RuntimeError, waited: float) -> CollectiveError:
+    why = (f"waited {waited:.0f} s (MINISHARD_TIMEOUT) and not every rank came: another rank "
+           "skipped it, is stuck in another collective, or died" if "time" in str(exc).lower()
+           else f"the backend failed it ({str(exc).splitlines()[0][:200]}): the ranks issued "
+           "different collectives (a forward, save or evaluation on some ranks only, a loop left "
+           "early without Join), or one died")
+    return CollectiveError(f"minishard: rank {dist.get_rank()}, {what}: {why}.")
+
+
+def _finish(work, async_op: bool, then=None, tensor=None, dense=None, what: str = ""):
     """Every collective is issued asynchronously; a synchronous caller waits here, so the
     ledger's ``blocked_s`` sees that wait too. When the result landed in ``dense``, a
     contiguous copy of the caller's ``tensor``, it is copied back after ``then``."""
@@ -239,7 +242,7 @@ def _finish(work, async_op: bool, then=None, tensor=None, dense=None):
                 first()
             tensor.copy_(dense)
         then = then_copy
-    handle = Handle(work, then)
+    handle = Handle(work, then, what)
     if _observer is not None:
         _observer.started(handle._works)
     if async_op:
@@ -270,16 +273,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
     dense = tensor.contiguous()
-    _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
+    what = _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(dense, op, group, n)
-        return _finish(works, async_op, total, tensor, dense)
+        return _finish(works, async_op, total, tensor, dense, what=what)
     if algorithm == "doubling" and n > 1:
         works, rest = _all_reduce_by_doubling(dense, op, group, n)
-        return _finish(works, async_op, rest, tensor, dense)
+        return _finish(works, async_op, rest, tensor, dense, what=what)
     work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
-    return _finish(work, async_op, then, tensor, dense)
+    return _finish(work, async_op, then, tensor, dense, what=what)
 
 
 # op -> (the backend's ReduceOp, how two ranks' values meet in comm's own algorithms); "avg"
@@ -363,15 +366,15 @@ def _all_reduce_by_doubling(tensor, op, group, n):
 
 @torch.no_grad()
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
-               tag: str = ""):
-    """``output`` (N * shard.numel() elements) becomes the concatenation of every rank's ``shard``,
-    in rank order."""
+               tag: str = "", stamp: int = 0):
+    """``output`` (N * shard.numel() elements): every rank's ``shard``, in rank order; each ends
+    with ``stamp`` elements of stamp, left out of the ledger ([Note: stamps])."""
     n = dist.get_world_size(group)
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
     out, shard = output.contiguous(), shard.contiguous()
-    _before("all_gather", out, out.numel(), group, n, tag)
+    what = _before("all_gather", out, out.numel() - n * stamp, group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
         return _finish(None, async_op)
@@ -379,7 +382,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         work = _all_gather_by_broadcasts(out, shard, group, n)
     else:
         work = _all_gather_flat(out, shard, group=group, async_op=True)
-    return _finish(work, async_op, None, output, out)
+    return _finish(work, async_op, None, output, out, what=what)
 
 
 def _all_gather_by_broadcasts(output, shard, group, n):
@@ -409,16 +412,16 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
     mine, full = shard.contiguous(), full.contiguous()
-    _before("reduce_scatter", full, full.numel(), group, n, tag)
+    what = _before("reduce_scatter", full, full.numel(), group, n, tag)
     if n == 1:
         shard.copy_(full.view_as(shard))
         return _finish(None, async_op)
     if dist.get_backend(group) == "gloo":
         works, total = _reduce_scatter_by_exchange(mine, full, op, group, n)
-        return _finish(works, async_op, total, shard, mine)
+        return _finish(works, async_op, total, shard, mine, what=what)
     work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None
-    return _finish(work, async_op, then, shard, mine)
+    return _finish(work, async_op, then, shard, mine, what=what)
 
 
 def _reduce_scatter_by_exchange(shard, full, op, group, n):
@@ -471,28 +474,11 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
     n = dist.get_world_size(group)
     dense = tensor.contiguous()
-    _before("broadcast", dense, dense.numel(), group, n, tag)
+    what = _before("broadcast", dense, dense.numel(), group, n, tag)
     if n == 1:
         return _finish(None, async_op)
     work = dist.broadcast(dense, src=_global(group, src), group=group, async_op=True)
-    return _finish(work, async_op, None, tensor, dense)
-
-
-@torch.no_grad()
-def all_gather_object(obj, group=None, tag: str = "", device=None) -> list:
-    """Every rank's picklable ``obj``, in group rank order, on every rank: two ledger-counted
-    all-gathers, of the pickles' lengths and of the pickles padded to the longest."""
-    n, data = dist.get_world_size(group), torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    sizes = torch.zeros(n, dtype=torch.int64, device=device)
-    all_gather(sizes, torch.tensor([data.numel()], device=device), group, tag=f"{tag} (sizes)")
-    sizes = sizes.tolist()
-    longest = max(sizes)
-    send = torch.zeros(longest, dtype=torch.uint8, device=device)
-    send[:data.numel()] = data
-    out = torch.empty(n * longest, dtype=torch.uint8, device=device)
-    all_gather(out, send, group, tag=tag)
-    rows = out.cpu().view(n, longest)
-    return [pickle.loads(rows[j, :k].numpy().tobytes()) for j, k in enumerate(sizes)]
+    return _finish(work, async_op, None, tensor, dense, what=what)
 
 
 # ------------------------------------------------------------------------------ point to point

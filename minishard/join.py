@@ -39,7 +39,7 @@ import torch
 from torch.distributed.algorithms.join import Join, JoinHook, _JoinConfig
 from torch.utils._pytree import tree_flatten, tree_map
 
-from minishard import comm
+from minishard import comm, verdicts
 from minishard.checkpoint.full_state import hyperparameters
 
 __all__ = ["JoinState", "ZeROJoinHook", "ShardedJoinHook"]
@@ -121,7 +121,7 @@ def _zero_rows(t):
 def _from_active_ranks(mine, group, what: str):
     """What the active ranks hold (``mine`` there, None on joined ranks), on every rank: one
     all-gather of Python objects."""
-    seen = comm.all_gather_object(mine, group, tag=f"Join: {what}")
+    seen = verdicts.all_gather_object(mine, group, tag=f"Join: {what}")
     return next(theirs for theirs in seen if theirs is not None)
 
 

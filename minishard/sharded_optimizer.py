@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from minishard import comm
 from minishard.join import ShardedJoinHook
-from minishard.verdicts import ranks_range
+from minishard.verdicts import check_member, ranks_range
 
 __all__ = ["ShardedOptimizer", "BUCKET_BYTES", "assign_owners"]
 
@@ -106,7 +106,7 @@ class ShardedOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults) -> None:
         _refuse_options(optimizer_class, overlap_with_ddp)
-        comm.check_member(process_group, "ShardedOptimizer")
+        check_member(process_group, "ShardedOptimizer")
         self._ready = False
         Joinable.__init__(self)  # uneven inputs: torch's Join beside DDP (join.py)
         params = _listed(params)

@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from minishard import comm
+from minishard import comm, verdicts
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
            "name_sync_batchnorms"]
@@ -330,7 +330,7 @@ class SyncBatchNorm(_BatchNorm):
         # Synchronise while training in a process group (a group of one runs the same code).
         if self.training and dist.is_available() and dist.is_initialized():
             group = self.process_group or None  # None: the default (whole world) group
-            comm.check_member(group, self.tag)
+            verdicts.check_member(group, self.tag)
             suffix = "" if self.path else f" #{self.build_index}"
             return SyncBatchNormFunction.apply(x, self.weight, self.bias, running_mean,
                                                running_var, self.eps, factor, group, self.tag,

@@ -9,14 +9,19 @@ happened to it, and only then raise:
 * :func:`raise_together`: each rank may have failed; one all-reduce(MAX) of a failed flag, then
   a failed rank raises its own error and the others ``others_failed``.
 * :func:`ranks_range`: does every rank hold the same numbers (a configuration, a fingerprint)?
+* :func:`all_gather_object`: every rank's picklable object, on every rank (a verdict's inputs);
+  :func:`check_member`: a clear error before a collective on a group without this rank.
 """
 from __future__ import annotations
 
+import pickle
+
 import torch
+import torch.distributed as dist
 
 from minishard import comm
 
-__all__ = ["rank0_verdict", "raise_together", "ranks_range"]
+__all__ = ["rank0_verdict", "raise_together", "ranks_range", "all_gather_object", "check_member"]
 
 
 def ranks_range(values: torch.Tensor, group, tag: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,3 +61,32 @@ def raise_together(error: BaseException | None, groups: list, tag: str,
         raise error
     if failed.item():
         raise others_failed
+
+
+@torch.no_grad()
+def all_gather_object(obj, group=None, tag: str = "", device=None) -> list:
+    """Every rank's picklable ``obj``, in group rank order, on every rank: two ledger-counted
+    all-gathers, of the pickles' lengths and of the pickles padded to the longest."""
+    n, data = comm.group_size(group), torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.zeros(n, dtype=torch.int64, device=device)
+    comm.all_gather(sizes, torch.tensor([data.numel()], device=device), group, tag=f"{tag} (sizes)")
+    sizes = sizes.tolist()
+    longest = max(sizes)
+    send = torch.zeros(longest, dtype=torch.uint8, device=device)
+    send[:data.numel()] = data
+    out = torch.empty(n * longest, dtype=torch.uint8, device=device)
+    comm.all_gather(out, send, group, tag=tag)
+    rows = out.cpu().view(n, longest)
+    return [pickle.loads(rows[j, :k].numpy().tobytes()) for j, k in enumerate(sizes)]
+
+
+def check_member(group, who: str) -> None:
+    """Raise a clear error if this rank is not in ``group`` (a collective there would never return)."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{who}: torch.distributed is not initialized. Call "
+            "torch.distributed.init_process_group(...) first (torchrun sets the environment for it).")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{who}: this rank (global rank {dist.get_rank()}) is not a member of the process group "
+            "it was given. Pass a group that contains this rank, or do not call it on this rank.")

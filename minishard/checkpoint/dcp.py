@@ -49,7 +49,7 @@ from minishard.checkpoint.files import (DCP_DIGESTS, CheckpointError, SafeDCPRea
                                         file_sha256, saved_piece)
 from minishard.checkpoint.full_state import (buffer_state, group_param_names, hyperparameters,
                                              named_params, split_state, torch_optimizer_state)
-from minishard.verdicts import raise_together
+from minishard.verdicts import all_gather_object, raise_together
 
 __all__ = ["is_dcp_checkpoint", "init_optimizer_state", "save_dcp", "read_dcp"]
 
@@ -161,7 +161,7 @@ def _save_digests(path: str, group, world: int, rank: int, extra_file: dict | No
     record if any; every rank returns once it is written, or raises with rank 0."""
     files = dcp_data_files(check_dcp(path))
     mine = {name: file_sha256(os.path.join(path, name)) for name in files[rank::world]}
-    digests = {k: v for part in comm.all_gather_object(mine, group, tag="dcp: sha256")
+    digests = {k: v for part in all_gather_object(mine, group, tag="dcp: sha256")
                for k, v in part.items()}
     if extra_file is not None:
         digests[EXTRA] = extra_file

@@ -47,7 +47,7 @@ from minishard.checkpoint.full_state import (buffer_state, full_optimizer_state_
                                              load_full_optimizer_state_dict, load_rows_into,
                                              named_params, original_parameter_names, split_state,
                                              torch_optimizer_state)
-from minishard.verdicts import raise_together
+from minishard.verdicts import all_gather_object, raise_together
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
            "checkpoint_path", "CheckpointError", "full_optimizer_state_dict",
@@ -153,7 +153,7 @@ def _gather_extras(extra, every) -> list:
         mine = (extra, None)
     except CheckpointError as exc:
         mine = (None, str(exc))
-    sent = comm.all_gather_object(mine, every, tag="checkpoint: extra")
+    sent = all_gather_object(mine, every, tag="checkpoint: extra")
     if mine[1] is not None:
         raise CheckpointError(mine[1])
     if any(error is not None for _, error in sent):

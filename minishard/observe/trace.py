@@ -5,7 +5,7 @@ which Perfetto (ui.perfetto.dev) and chrome://tracing open::
         model(x).sum().backward()
         optimizer.step()
 
-On leaving, every rank's events are all-gathered (``comm.all_gather_object``) and rank 0 writes
+On leaving, every rank's events are all-gathered (``verdicts.all_gather_object``) and rank 0 writes
 one file: a process per rank ("rank 0", "rank 1", ...), in each a track per kind of work::
 
     compute      "forward u" and "backward u" per unit (inside the root's), the optimizer step
@@ -40,7 +40,7 @@ import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-from minishard import comm
+from minishard import comm, verdicts
 from minishard.zero import params
 
 __all__ = ["Traced", "Trace", "draw", "TRACKS"]
@@ -146,7 +146,7 @@ class Trace:
         mine = _rank_events(rank, self.engine.units, self._meter_events, self._marks,
                             self._recorder, self._steps, self._t_enter, t_exit)
         device = next((p.device for p in self.engine.parameters()), None)
-        ranks = comm.all_gather_object((self._wall_ns, mine), group, tag="trace", device=device)
+        ranks = verdicts.all_gather_object((self._wall_ns, mine), group, tag="trace", device=device)
         origin = min(wall for wall, _ in ranks)
         self.events = [_shifted(e, (wall - origin) / 1000) for wall, evs in ranks for e in evs]
         if comm.group_rank(group) == 0:

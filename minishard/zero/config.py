@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from minishard import comm
-from minishard.verdicts import ranks_range
+from minishard.verdicts import check_member, ranks_range
 
 __all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "check_same_config",
            "param_group_index", "shard_param_groups", "cast_buffers", "cast_inputs",
@@ -170,7 +170,7 @@ def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, pr
             "parameters in forward and again in backward, so every rank must run the same units "
             "and send gradients through the same ones. Use stage 2 for data-dependent branches, "
             "or make every rank take the same branch.")
-    comm.check_member(process_group, "ZeRO")
+    check_member(process_group, "ZeRO")
     groups = resolve_groups(mesh, process_group, stage)
     if bucket_bytes < 0:
         raise ValueError(f"ZeRO: bucket_bytes must be >= 0, got {bucket_bytes!r}")

@@ -185,7 +185,7 @@ class FlatBuffer(Layout):
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
         self.full_bytes = self.padded_numel * values.element_size()  # full's storage, gathered
-        self.stamp = comm.stamp(name, self.param_dtype, values.device)  # ends a gather's rows
+        self.stamp = comm.stamp(name, values.element_size())  # ends each row of its gathers
         self.current = False  # full holds the shards as they are now (needs_gather)
         # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
         self.dspecs = [spec.of(shape, self.dtype) for shape in self.shapes] if spec else []
@@ -365,7 +365,7 @@ def land(flats: list[FlatBuffer], staging: torch.Tensor, work) -> None:
     comm.py), then the gathered shards (N x the flats' k's, rank-major) go into each flat's
     ``full``, one op: parameter j's region of full, viewed (N, width_j), is columns of j."""
     work.wait()
-    k = staging.shape[1] - flats[0].stamp.numel()
+    k = staging.shape[1] - len(flats[0].stamp) // staging.element_size()
     stamps = staging[:, k:].view(torch.uint8)  # as bytes: a float compare would fail on NaN
     if not bool(stamps.eq(stamps[:1]).all()):
         comm.stamps_differ(stamps, flats[0].group, "all_gather")
@@ -383,8 +383,8 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
                                                rank 1 [a2 a3 b3 b4 b5 | stamp]
         the stamps agree; A's full from staging[:, 0:2], B's from staging[:, 2:5]   (land)
 
-    The stamp ([Note: stamps] in comm.py) says which buffers the gather is for. At N = 1 full is
-    the shard: no staging. At stage 0 under a cast there are no shards: the gather is the cast."""
+    The stamp ([Note: stamps] in comm.py) says which buffers the gather is for. One buffer at
+    N = 1: full is its shard, no staging. At stage 0 under a cast the gather is the cast."""
     first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
     with torch.no_grad():
         for flat in flats:
@@ -393,17 +393,19 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
             for flat in flats:
                 flat.full.data.copy_(flat.shard)
             return comm.Handle()
-        if first.chunks == 1:  # one rank: full is its shard
+        if len(flats) == 1 and first.chunks == 1:  # one rank: full is its shard
             mine = first.full.data.view(1, -1)[0]
             if first.shard is not None:
                 mine.copy_(first.shard)
             handle = comm.all_gather(first.full.data, mine, first.group, async_op=True, tag=tag)
         else:  # each rank's row: its shards, then the leading buffer's stamp (comm.py)
+            stamp = torch.frombuffer(first.stamp, dtype=first.full.dtype).to(first.full.device)
             staging = first.full.new_empty(
-                first.chunks, sum(f.shard_numel for f in flats) + first.stamp.numel())
-            torch.cat([piece for f in flats for piece in f.send_pieces()] + [first.stamp],
+                first.chunks, sum(f.shard_numel for f in flats) + stamp.numel())
+            torch.cat([piece for f in flats for piece in f.send_pieces()] + [stamp],
                       out=staging[rank])
-            work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag)
+            work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag,
+                                   stamp=stamp.numel())
             handle = comm.Handle(then=lambda: land(flats, staging, work))
     for flat in flats:
         flat.pending = handle
