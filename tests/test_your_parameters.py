@@ -285,9 +285,9 @@ def nanogpt_resume(stage: int, foreach: bool) -> dict:
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nanogpt_resume_loads_the_optimizer_before_wrapping(pools, world, stage):
-    for foreach in (False, True):
-        for out in pools(world).run(nanogpt_resume, stage, foreach):
-            assert out["same keys"] and out["error"] < TOL and out["state error"] < TOL, out
+    foreach = (world + stage) % 2 == 1  # each world and each stage meets both (suite time)
+    for out in pools(world).run(nanogpt_resume, stage, foreach):
+        assert out["same keys"] and out["error"] < TOL and out["state error"] < TOL, out
 
 
 def grads_under_mixed_precision(stage: int) -> list:
