@@ -305,7 +305,10 @@ MUTANTS = {
     "open_forward_never_ended": (
         "a forward whose backward never ran (grad enabled, or one unit called alone) keeps its "
         "gathered parameters marked current: the step after it is never gathered",
-        [("minishard/zero/engine.py", "        if self._forward_open:\n            self._to_sharded()",
+        [("minishard/zero/engine.py", "            if self._forward_open:  # a forward never "
+          "backpropagated (grad on, a unit alone)\n                self._to_sharded()",
+          "            pass"),
+         ("minishard/zero/engine.py", "        if self._forward_open:\n            self._to_sharded()",
           "        pass")],
         ["tests/test_writes.py::test_a_forward_never_backpropagated_leaves_no_stale_parameters"]),
     "joined_rank_keeps_its_no_sync_gradient": (
