@@ -225,7 +225,7 @@ class Handle:
 
 def _failed(what: str, exc: RuntimeError, waited: float) -> CollectiveError:
     why = (f"waited {waited:.0f} s (MINISHARD_TIMEOUT) and not every rank came: another rank "
-           "skipped it, is stuck in another collective, or died" if "time" in str(exc).lower()
+           "skipped it, is stuck in another collective, or died" if "timed out" in str(exc).lower()
            else f"the backend failed it ({str(exc).splitlines()[0][:200]}): the ranks issued "
            "different collectives (a forward, save or evaluation on some ranks only, a loop left "
            "early without Join), or one died")
