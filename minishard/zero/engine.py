@@ -105,8 +105,9 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     ``model.named_parameters()`` (``module.`` prefixed, as DDP's): the module's own at stage 0;
     at stages 1-3 DTensors of this rank's rows (params.py), as FSDP2's: build the optimizer by
     name or ``p.dim()``, after wrapping or before (guards.py adopts it); torch's
-    ``clip_grad_norm_`` and ``get_state_dict(model.module, opt)`` work on them. A parameter skipped inside a unit whose others got
-    gradients gets zeros (one flat gradient per unit, as FSDP1): make it a unit of its own.
+    ``clip_grad_norm_`` and ``get_state_dict(model.module, opt)`` work on them. A parameter
+    skipped inside a unit whose others got gradients gets zeros (one flat gradient per unit, as
+    FSDP1): make it a unit of its own.
     ``requires_grad_(False)`` on any parameter or module freezes exactly that.
     """
     __deepcopy__ = guards.refuse_deepcopy  # an EMA copy: full_state_dict() into a plain model
