@@ -28,6 +28,7 @@ from minishard.checkpoint.state import (full_optimizer_state_dict, latest_checkp
                                         save_checkpoint)
 from minishard.comm import ledger
 from minishard.observe.allocations import Allocations
+from minishard.observe.flight import dump_flight_record
 from minishard.sharded_optimizer import ShardedOptimizer
 from minishard.syncbn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
 
@@ -36,13 +37,13 @@ __all__ = [
     "SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm",
     "ZeRO", "STAGES", "MixedPrecision", "ShardedOptimizer",
     "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-    "full_optimizer_state_dict", "load_full_optimizer_state_dict",
+    "full_optimizer_state_dict", "load_full_optimizer_state_dict", "dump_flight_record",
 ]
 
 
 # `python -m minishard.plan` (and .tour, .exercise): the command-line names outlive the move.
 COMMANDS = {"minishard.plan": "observe/plan.py", "minishard.tour": "course/tour.py",
-            "minishard.exercise": "course/exercise.py"}
+            "minishard.exercise": "course/exercise.py", "minishard.doctor": "observe/doctor.py"}
 
 
 class _Commands(importlib.abc.MetaPathFinder):

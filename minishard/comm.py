@@ -8,7 +8,8 @@ Every collective minishard issues goes through a function in this module. That b
    direct exchange, each faster in a training step there than gloo's own).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
    issues is recorded with the bytes it sends (costs.py: the ring cost model, the Ledger, and the
-   alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm).
+   alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm); and,
+   always, in the flight record (costs.Flight; observe/flight.py dumps it when a collective fails).
 3. One place a reader has to look to know when ranks talk to each other.
 Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a :class:`Handle`)."""
 from __future__ import annotations
@@ -22,17 +23,16 @@ import torch
 import torch.distributed as dist
 
 from minishard import costs
-from minishard.costs import (ALPHA, BETA, Entry, Ledger, all_reduce_algorithms, all_reduce_cost,
-                             all_reduce_terms, ledger, pick_all_reduce, power_of_two, ring_bytes)
+from minishard.costs import (ALPHA, BETA, FLIGHT, Entry, Ledger, all_reduce_algorithms,
+                             all_reduce_cost, all_reduce_terms, ledger, pick_all_reduce,
+                             power_of_two, ring_bytes)
 
-__all__ = [
-    "Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
-    "broadcast", "group_size", "group_rank", "ring_bytes", "all_reduce_terms",
-    "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
-    "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA",
-    "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp", "stamps_differ",
-    "CollectiveError", "set_timeout",
-]
+__all__ = ["Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
+           "broadcast", "group_size", "group_rank", "ring_bytes", "all_reduce_terms",
+           "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
+           "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "FLIGHT",
+           "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp",
+           "stamps_differ", "CollectiveError", "set_timeout"]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -40,10 +40,12 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
-            algorithm: str = "ring", group=None) -> None:
-    """Give the open ledgers (costs.py) this collective's entry (params.py: DTensor's too)."""
+            algorithm: str = "ring", group=None) -> costs.Flown:
+    """Give the flight record and the open ledgers (costs.py) this collective's entry (params.py:
+    DTensor's too); returns its place in the flight record."""
+    flown = FLIGHT.issued(op, tensor_numel, dtype, group, tag)
     if not costs.OPEN and _observer is None:
-        return
+        return flown
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
             else all_reduce_terms(algorithm, full_bytes, n)[1])
@@ -53,6 +55,7 @@ def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
         led.entries.append(entry)
     if _observer is not None:
         _observer.issued(entry)
+    return flown
 
 
 _observer = None  # trace.py's recorder inside model.trace(), else None: one comparison each
@@ -67,9 +70,8 @@ def set_observer(observer) -> None:
     _observer = observer
 
 
-# gloo's worker threads (two a group) each keep the last collective's tensors until they run
-# another: after ``wait()`` that many finished collectives' buffers may live on (meters.py).
-FINISHED_KEPT_BY_BACKEND = 2
+# gloo's worker threads (two a group) each keep their last collective's tensors until the next:
+FINISHED_KEPT_BY_BACKEND = 2  # after ``wait()`` that many finished ones may live on (meters.py)
 
 
 # --------------------------------------------------------------------- consistency checking
@@ -91,10 +93,9 @@ def set_debug(enabled: bool, timeout: float | None = None) -> None:
 
 
 def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: str) -> None:
-    """Debug mode: before a collective every rank all-gathers a fingerprint of it (op, shape,
-    dtype, who asked) and compares: ranks on different code paths (a SyncBatchNorm forward
-    skipped, units in another order) raise, all sides named, instead of hanging or summing
-    unrelated tensors of equal size. One small all-gather per collective; nothing when off."""
+    """Debug mode: every rank all-gathers a fingerprint of the collective (op, shape, dtype,
+    tag) and compares; ranks on different code paths raise, all sides named, instead of hanging
+    or summing unrelated tensors of equal size. One small all-gather per collective."""
     mine = f"{op} shape={tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} from {tag or '?'}"
     raw = mine.encode()[:_FINGERPRINT_BYTES].ljust(_FINGERPRINT_BYTES, b"\0")
     send = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(tensor.device)
@@ -103,27 +104,25 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
     try:
         work.wait(timeout=timedelta(seconds=_debug["timeout"]))
     except RuntimeError as exc:
-        raise CollectiveMismatch(
+        raise _dumped(CollectiveMismatch(
             f"minishard debug: rank {dist.get_rank()} waited {_debug['timeout']:.0f} s at `{mine}` "
             "and not every rank arrived: another rank skipped this collective or is stuck in "
-            "another one (the ranks took different code paths).") from exc
+            "another one (the ranks took different code paths).")) from exc
     rows = recv.view(n, _FINGERPRINT_BYTES).cpu()
     theirs = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
     if len(set(theirs)) > 1:
-        ranks = [_global(group, i) for i in range(n)]
-        sides = "\n".join(f"  rank {r}: {fp}" for r, fp in zip(ranks, theirs))
-        raise CollectiveMismatch(
+        sides = "\n".join(f"  rank {_global(group, i)}: {fp}" for i, fp in enumerate(theirs))
+        raise _dumped(CollectiveMismatch(
             "minishard debug: the ranks are about to issue DIFFERENT collectives:\n"
             f"{sides}\nEvery rank must issue the same collectives in the same order: look for "
             "a branch that depends on the rank or on its data (a layer skipped on one rank, "
-            "units run in another order, batches of different shapes).")
+            "units run in another order, batches of different shapes)."))
 
 
 # [Note: stamps] What a collective IS, in its own payload: the engine's all-gathers end each
-# rank's row with a stamp (CRC of the buffers' names, then the names' first 28 bytes), compared
-# before any value is used. Always on, no extra collective: ranks issuing different gathers of
-# equal size (rank 0 evaluating alone) raise instead of computing with another unit's values.
-# The ledger leaves stamps out (32 bytes per rank and gather; the formulas count tensors).
+# rank's row with a stamp (CRC of the buffers' names, then their first 28 bytes), compared before
+# any value is used. Always on, no extra collective: ranks issuing different gathers of equal size
+# (rank 0 evaluating alone) raise. The ledger leaves stamps out (32 bytes per rank and gather).
 STAMP_BYTES = 32
 
 
@@ -138,33 +137,28 @@ def stamps_differ(stamps: torch.Tensor, group, op: str) -> None:
     """Raise: the rows of ``stamps`` (bytes, one per rank in group order) are not all equal."""
     said = [bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace") for row in stamps.cpu()]
     sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in enumerate(said))
-    raise CollectiveMismatch(
+    raise _dumped(CollectiveMismatch(
         "minishard: the ranks issued DIFFERENT collectives of the same size, so the numbers "
         f"they exchanged mean nothing (none was used):\n{sides}\nEvery rank must run the same "
         "forwards and backwards in the same order. The usual cause: a forward on some ranks "
         "only, such as an evaluation under `if rank == 0` (nanoGPT's `and master_process`) at "
-        "stages 1-3: evaluate on every rank. MINISHARD_DEBUG=1 names every collective.")
+        "stages 1-3: evaluate on every rank. MINISHARD_DEBUG=1 names every collective."))
 
 
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
-            algorithm: str = "ring") -> str:
-    """Every collective passes here first: the ledger, the debug check; returns what it is (for
-    errors). A backend moves memory in STORAGE order (a transposed tensor would arrive scrambled,
+            algorithm: str = "ring") -> costs.Flown:
+    """Every collective passes here first: the flight record, the ledger, the debug check.
+    A backend moves memory in STORAGE order (a transposed tensor would arrive scrambled,
     silently): every collective below hands it ``x.contiguous()`` and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
-    record(op, numel, tensor.dtype, n, tag, algorithm, group)
+    flown = record(op, numel, tensor.dtype, n, tag, algorithm, group)
     if _debug["on"] and n > 1:
         _check_same_collective(op, tensor, group, n, tag)
-    return f"{op} of {tag or 'an untagged tensor'}"
+    return flown
 
 
 # ------------------------------------------------------------------------------------ groups
-def group_size(group=None) -> int:
-    return dist.get_world_size(group)
-
-
-def group_rank(group=None) -> int:
-    return dist.get_rank(group)
+group_size, group_rank = dist.get_world_size, dist.get_rank  # (group=None: the default group)
 
 
 def group_ranks(group=None) -> tuple[int, ...]:
@@ -194,14 +188,13 @@ def set_timeout(seconds: float) -> None:  # how long a rank waits in one of comm
 
 class Handle:
     """What an async collective returns. ``wait()`` blocks until the result is in place, and
-    raises :class:`CollectiveError` naming the collective (``what``) if it never comes."""
+    raises :class:`CollectiveError` naming the collective (``flown``) if it never comes."""
 
-    def __init__(self, work=None, then=None, what: str = "a collective") -> None:
+    def __init__(self, work=None, then=None, flown: costs.Flown | None = None) -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
-        self._then, self.what = then, what
+        self._then, self.flown = then, flown
 
-    waited = property(lambda self: not self._works and self._then is None,
-                      doc="True once ``wait()`` has run (the result is in place).")
+    waited = property(lambda self: not self._works and self._then is None)  # result in place
 
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
@@ -212,27 +205,36 @@ class Handle:
                 for work in works:
                     work.wait(timeout=_timeout["limit"])
             except RuntimeError as exc:
-                raise _failed(self.what, exc, time.perf_counter() - start) from exc
+                raise _failed(self.flown, exc, time.perf_counter() - start) from exc
             end = time.perf_counter()
             for led in costs.OPEN:
                 led.blocked_s += end - start
             if _observer is not None:
                 _observer.waited(works, start, end)
+        if self.flown is not None and self.flown.t1 is None:
+            self.flown.t1 = time.perf_counter()
         if self._then is not None:
             then, self._then = self._then, None
             then()
 
 
-def _failed(what: str, exc: RuntimeError, waited: float) -> CollectiveError:
+def _dumped(error: RuntimeError) -> RuntimeError:  # after the flight record is written
+    if FLIGHT.on_failure is not None:
+        FLIGHT.on_failure(str(error))
+    return error
+
+
+def _failed(flown, exc: RuntimeError, waited: float) -> CollectiveError:
     why = (f"waited {waited:.0f} s (MINISHARD_TIMEOUT) and not every rank came: another rank "
            "skipped it, is stuck in another collective, or died" if "timed out" in str(exc).lower()
            else f"the backend failed it ({str(exc).splitlines()[0][:200]}): the ranks issued "
            "different collectives (a forward, save or evaluation on some ranks only, a loop left "
            "early without Join), or one died")
-    return CollectiveError(f"minishard: rank {dist.get_rank()}, {what}: {why}.")
+    what = flown.what if flown is not None else "a collective"
+    return _dumped(CollectiveError(f"minishard: rank {dist.get_rank()}, {what}: {why}."))
 
 
-def _finish(work, async_op: bool, then=None, tensor=None, dense=None, what: str = ""):
+def _finish(work, async_op: bool, then=None, tensor=None, dense=None, flown=None):
     """Every collective is issued asynchronously; a synchronous caller waits here, so the
     ledger's ``blocked_s`` sees that wait too. When the result landed in ``dense``, a
     contiguous copy of the caller's ``tensor``, it is copied back after ``then``."""
@@ -242,7 +244,7 @@ def _finish(work, async_op: bool, then=None, tensor=None, dense=None, what: str 
                 first()
             tensor.copy_(dense)
         then = then_copy
-    handle = Handle(work, then, what)
+    handle = Handle(work, then, flown)
     if _observer is not None:
         _observer.started(handle._works)
     if async_op:
@@ -273,16 +275,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
     dense = tensor.contiguous()
-    what = _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
+    flown = _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(dense, op, group, n)
-        return _finish(works, async_op, total, tensor, dense, what=what)
+        return _finish(works, async_op, total, tensor, dense, flown=flown)
     if algorithm == "doubling" and n > 1:
         works, rest = _all_reduce_by_doubling(dense, op, group, n)
-        return _finish(works, async_op, rest, tensor, dense, what=what)
+        return _finish(works, async_op, rest, tensor, dense, flown=flown)
     work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
-    return _finish(work, async_op, then, tensor, dense, what=what)
+    return _finish(work, async_op, then, tensor, dense, flown=flown)
 
 
 # op -> (the backend's ReduceOp, how two ranks' values meet in comm's own algorithms); "avg"
@@ -374,15 +376,15 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
     out, shard = output.contiguous(), shard.contiguous()
-    what = _before("all_gather", out, out.numel() - n * stamp, group, n, tag)
+    flown = _before("all_gather", out, out.numel() - n * stamp, group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
-        return _finish(None, async_op)
+        return _finish(None, async_op, flown=flown)
     if dist.get_backend(group) == "gloo":
         work = _all_gather_by_broadcasts(out, shard, group, n)
     else:
         work = _all_gather_flat(out, shard, group=group, async_op=True)
-    return _finish(work, async_op, None, output, out, what=what)
+    return _finish(work, async_op, None, output, out, flown=flown)
 
 
 def _all_gather_by_broadcasts(output, shard, group, n):
@@ -412,16 +414,16 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
     mine, full = shard.contiguous(), full.contiguous()
-    what = _before("reduce_scatter", full, full.numel(), group, n, tag)
+    flown = _before("reduce_scatter", full, full.numel(), group, n, tag)
     if n == 1:
         shard.copy_(full.view_as(shard))
-        return _finish(None, async_op)
+        return _finish(None, async_op, flown=flown)
     if dist.get_backend(group) == "gloo":
         works, total = _reduce_scatter_by_exchange(mine, full, op, group, n)
-        return _finish(works, async_op, total, shard, mine, what=what)
+        return _finish(works, async_op, total, shard, mine, flown=flown)
     work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None
-    return _finish(work, async_op, then, shard, mine, what=what)
+    return _finish(work, async_op, then, shard, mine, flown=flown)
 
 
 def _reduce_scatter_by_exchange(shard, full, op, group, n):
@@ -462,6 +464,7 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n):
 _EXCHANGE_TAG = 0x6D73  # "ms"
 _ALL_REDUCE_TAG = _EXCHANGE_TAG + 1  # the direct all_reduce: its own tag, so never mixed with it
 _DOUBLING_TAG = _EXCHANGE_TAG + 3    # recursive doubling
+_P2P_TAG = 0x7032  # "p2": send_recv's, apart from the exchanges' messages and users' tag 0
 
 
 def _global(group, rank: int) -> int:
@@ -474,17 +477,14 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None, async_op: bool = F
     """In place: every rank's ``tensor`` becomes the one held by group rank ``src``."""
     n = dist.get_world_size(group)
     dense = tensor.contiguous()
-    what = _before("broadcast", dense, dense.numel(), group, n, tag)
+    flown = _before("broadcast", dense, dense.numel(), group, n, tag)
     if n == 1:
-        return _finish(None, async_op)
+        return _finish(None, async_op, flown=flown)
     work = dist.broadcast(dense, src=_global(group, src), group=group, async_op=True)
-    return _finish(work, async_op, None, tensor, dense, what=what)
+    return _finish(work, async_op, None, tensor, dense, flown=flown)
 
 
 # ------------------------------------------------------------------------------ point to point
-_P2P_TAG = 0x7032  # "p2": apart from the reduce-scatter exchange's messages and users' tag 0
-
-
 @torch.no_grad()
 def send_recv(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
     """Send ``send`` to group rank ``dst`` WHILE receiving ``recv`` (in place) from group rank

@@ -31,8 +31,13 @@ all_reduce = reduce_scatter + all_gather, where the ring starts to win: tutorial
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
+import os
+import sys
+import time
 from fractions import Fraction
 from typing import Iterator
 
@@ -152,6 +157,75 @@ def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[
 
 
 WATCHERS: list = []  # context managers that record collectives comm does not issue
+
+
+# ------------------------------------------------------------------------ the flight record
+@dataclasses.dataclass(slots=True)
+class Flown:
+    """One collective in the flight record: its place (``seq`` on this rank, ``nth`` on its
+    group), what it is, the engine's last event then, the user's line, and when it was issued
+    and landed (``perf_counter``; ``t1`` None: not landed, or DTensor's, which torch waits on)."""
+    seq: int
+    nth: int
+    op: str
+    tag: str
+    numel: int
+    dtype: torch.dtype
+    ranks: tuple         # the group's global ranks
+    event: tuple         # (phase, unit, backward passes so far): Flight.heard
+    site: tuple | None   # (file, line) of the first frame outside minishard and torch
+    t0: float
+    t1: float | None = None
+
+    @property
+    def what(self) -> str:  # for errors
+        return f"{self.op} of {self.tag or 'an untagged tensor'}"
+
+
+class Flight:
+    """The flight record: the last ``size`` collectives this rank issued, always on (comm adds
+    each, Flight.heard hears the engine's events). observe/flight.py dumps it, observe/doctor.py
+    explains the dumps. Bounded: ``size`` entries of about 300 bytes each."""
+
+    def __init__(self, size: int) -> None:
+        self.ring: collections.deque[Flown] = collections.deque(maxlen=size)
+        self.seq, self.backwards = 0, 0
+        self.groups: dict[int, list] = {}  # id(group) -> [collectives so far, its global ranks]
+        self.event: tuple = ("", "", 0)  # see Flight.heard
+        self.on_failure = None  # observe/flight.py: dump the record when a collective fails
+
+    def issued(self, op: str, numel: int, dtype: torch.dtype, group, tag: str) -> Flown:
+        self.seq += 1
+        counted = self.groups.get(id(group))
+        if counted is None:  # a group's ranks, asked once (a dump may come after it is gone)
+            ranks = (dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
+                     if dist.is_initialized() else [0])
+            counted = self.groups[id(group)] = [0, tuple(ranks)]
+        counted[0] += 1
+        frame = sys._getframe(1)  # the user's line: the first frame not ours, torch's, ...
+        while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
+            frame = frame.f_back
+        site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+        flown = Flown(self.seq, counted[0], op, tag, numel, dtype, counted[1], self.event, site,
+                      time.perf_counter())
+        self.ring.append(flown)
+        return flown
+
+    def heard(self, event: str, unit, *payload) -> None:
+        """The engine's listener: (phase, the last event's unit, backward passes begun so far);
+        phase: "forward" from a step's first forward, "backward" while autograd runs, then
+        "after backward" (the optimizer step, a no_sync gap, an evaluation outside the engine)."""
+        self.backwards += event == "backward_pass"
+        phase = _PHASES.get(event, self.event[0])
+        self.event = (phase, unit.name if unit is not None else self.event[1], self.backwards)
+
+
+_PHASES = {"step": "forward", "backward_pass": "backward", "backward_done": "after backward"}
+
+
+FLIGHT = Flight(int(os.environ.get("MINISHARD_FLIGHT_RING", "1024")))
+_NOT_USER = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep,
+             contextlib.__file__, functools.__file__)  # ... contextlib's or functools'
 
 
 # -------------------------------------------------------------------- the alpha-beta model

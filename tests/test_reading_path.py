@@ -7,8 +7,9 @@ recorded with ``sys.setprofile``, and its distinct functions, the files they liv
 lines (each function's whole definition) are counted. Comprehensions and lambdas belong to the
 function that holds them and are not counted again.
 
-The budget is a ratchet: today's path (measured so: 55 functions in 7 files, 648 lines; 80 in
-12 files and 728 lines before the engine moved into zero/), which must never grow unseen:
+The budget is a ratchet: today's path (measured so: 57 functions in 8 files, 676 lines, of which
+the flight record, always on, is 2 functions and 28 lines of costs.py; 80 in 12 files and 728
+lines before the engine moved into zero/), which must never grow unseen:
 lower BUDGET when the path shrinks. Also measured: the calls that climb back up the import
 graph while the engine is built (a reader following ``stage`` down from the constructor).
 """
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minishard"
-BUDGET = dict(functions=55, files=7, lines=648)
+BUDGET = dict(functions=57, files=8, lines=676)
 
 
 class Block(nn.Module):

@@ -19,9 +19,9 @@ forward (or ``gathered()``, or a state dict), since no counter sees every write;
 micro-batches of one step (after a ``no_sync`` backward) reuse them, as FSDP1 does.
 
 The hooks below run in event order; the table above them names the code each event runs.
-Features listen from outside: every event is emitted to ``listeners`` (meters.py always,
-join.py while torch's Join runs). Communication per step, Ψ (padded) parameters, ring model:
-stages 0-2 move 2Ψ, stage 3 3Ψ (lesson 04 derives it; hybrid sharding, lesson 10).
+Features listen from outside: every event is emitted to ``listeners`` (meters.py and the flight
+record always, join.py while torch's Join runs). Communication per step, Ψ (padded) parameters,
+ring model: stages 0-2 move 2Ψ, stage 3 3Ψ (lesson 04 derives it; hybrid sharding, lesson 10).
 Read next: unit.py, schedule.py, flat.py, then comm.py (the collectives).
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from minishard import comm
 from minishard.checkpoint import full_state
 from minishard.join import ZeROJoinHook
-from minishard.observe import trace
+from minishard.observe import flight, trace
 from minishard.zero import guards
 from minishard.zero.build import build_units, replicated_predicate
 from minishard.zero.config import (MixedPrecision, cast_buffers, cast_inputs, check_arguments,
@@ -152,7 +152,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._sync_requires_grad()
         # The event stream: ``listen(event, unit, *payload)`` for each event of the table below
         # ("step", "gather", "forward", "free", "backward_pass", "backward", "grad", "reduce",
-        # "backward_done"). Meters listen always; Join while it runs (join.py).
+        # "backward_done"). Meters and the flight record listen always; Join while it runs.
         self.listeners: list = []
         self._gathers = Gatherer(self.units, self._emit, bucket_bytes=bucket_bytes,
                                  prefetch=prefetch, find_unused=find_unused_parameters)
@@ -167,7 +167,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             unit.reshard_after_forward = policy.reshard_after_forward
             self._put_back(unit)
         self._meters = Meters(self.units, self._reducer)
-        self.listeners.append(self._meters.heard)
+        self.listeners += [self._meters.heard, comm.FLIGHT.heard]  # flight: where each rank is
+        flight.arm()
 
     # --------------------------------------------------------------------------------- hooks
     # The life of one stage-3 unit in one step, and what implements each event (unit.py:
