@@ -58,6 +58,7 @@ def _worker(rank: int, world_size: int, port: int, pg_timeout: float, tasks, res
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # a pool started inside a torchrun job
     import torch
     import torch.distributed as dist
 

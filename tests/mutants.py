@@ -63,14 +63,14 @@ MUTANTS = {
         ["tests/test_syncbn.py::test_one_cancelling_channel_takes_the_second_pass"]),
     "strided_tensor_sent_in_storage_order": (
         "a strided tensor handed to the backend as it is (a transposed buffer arrives scrambled)",
-        [("minishard/comm.py", '    dense = tensor.contiguous()\n    what = _before("all_reduce"',
-          '    dense = tensor\n    what = _before("all_reduce"'),
+        [("minishard/comm.py", '    dense = tensor.contiguous()\n    flown = _before("all_reduce"',
+          '    dense = tensor\n    flown = _before("all_reduce"'),
          ("minishard/comm.py", "    out, shard = output.contiguous(), shard.contiguous()",
           "    out = output"),
          ("minishard/comm.py", "    mine, full = shard.contiguous(), full.contiguous()",
           "    mine = shard"),
-         ("minishard/comm.py", '    dense = tensor.contiguous()\n    what = _before("broadcast"',
-          '    dense = tensor\n    what = _before("broadcast"'),
+         ("minishard/comm.py", '    dense = tensor.contiguous()\n    flown = _before("broadcast"',
+          '    dense = tensor\n    flown = _before("broadcast"'),
          ("minishard/comm.py",
           '    assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"\n',
           "")],
@@ -256,6 +256,15 @@ MUTANTS = {
         [("minishard/zero/guards.py", "                group[\"params\"][i] = successor()",
           "                continue")],
         ["tests/test_zero.py::test_optimizer_built_before_wrapping_trains"]),
+    "flight_not_dumped_on_failure": (
+        "a failed collective raises without writing the flight record: the doctor has nothing",
+        [("minishard/comm.py", "        FLIGHT.on_failure(str(error))", "        pass")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-1]"]),
+    "doctor_blind_to_the_backward_pass": (
+        "the doctor lines ranks up without the backward pass: no_sync on one rank looks healthy",
+        [("minishard/observe/doctor.py", """                                            e["backwards"], e["file"], e["line"])""",
+          """                                            e["file"], e["line"])""")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-1]"]),
     "stamps_not_checked": (
         "the ranks' stamps are not compared: rank 0's evaluation at stage 3 computes with the "
         "parameters of the unit the other ranks gather in backward, then hangs",

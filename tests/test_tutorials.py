@@ -21,7 +21,7 @@ WORLD_SIZES = (1, 2, 3, 4)
 # Lessons whose contrast vanishes with one rank refuse it (see each one's session(...) call).
 REFUSED = {"03_sync_batchnorm.py": {1}, "07_pick_the_right_tool.py": {1}, "09_break_it.py": {1},
            "10_beyond_one_rank.py": {1}, "11_outgrowing_one_machine.py": {1, 3},
-           "14_uneven_inputs.py": {1},
+           "14_uneven_inputs.py": {1}, "15_when_it_hangs.py": {2, 3, 4},
            "-m minishard.tour": {1}}
 
 # A safety net, not the fix: minishard.launch.session ends every script so that torch 2.13's
@@ -83,6 +83,10 @@ PLOTS = {"04_zero_stages.py": 3, "05_just_in_time.py": 3}
 # Runs made by another test, which checks more of the output: not launched twice.
 ELSEWHERE = {(name, n) for name, n in PLOTS.items()} | {
     ("12_beside_the_stock_tools.py", 2), ("12_beside_the_stock_tools.py", 3)}  # test_beside_stock
+
+
+# 15 starts its own ranks: refused at 2 shows the refusal; 3 and 4 would only repeat it (time).
+ELSEWHERE |= {("15_when_it_hangs.py", 3), ("15_when_it_hangs.py", 4)}
 
 
 @pytest.mark.parametrize("name, nproc", [(name, n) for name in TUTORIALS for n in WORLD_SIZES

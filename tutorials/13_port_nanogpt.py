@@ -27,6 +27,17 @@ train.py under DDP is marked ``# PORT:`` in the code; here is each one, and why:
     lossf = loss.item() * gradient_accumulation_steps   the same, then all-reduced: rank 0 alone
       (rank 0's own loss)                               logs the mean over EVERY rank's batches
 
+Two habits of a DDP script that break at stage 3, and what you will see. Keep ``and
+master_process`` on the evaluation, and rank 0's gathers are answered by the others' training
+gathers: the stamps raise ``CollectiveMismatch`` on every rank before rank 0 prints a loss. Decide
+to save from each rank's OWN validation loss (``estimate_loss`` averages this rank's batches
+only), and the ranks may disagree: ``full_state_dict`` and ``save_checkpoint`` are collective, so
+the ranks that skip them time out (``MINISHARD_TIMEOUT``), or gloo aborts the one that saves.
+Decide from something every rank shares (here ``iter_num``; or the all-reduced loss). Either
+way, ``python -m minishard.doctor $MINISHARD_FLIGHT_DIR`` reads the ranks' flight records and
+names the cause ("a forward on some ranks only", "a save or full_state_dict on some ranks only")
+and the line of your script (README, "When things go wrong").
+
 The checkpoint is nanoGPT's own file, full tensors under nanoGPT's names, so the resume is
 nanoGPT's, unchanged: ``model.load_state_dict(checkpoint['model'])`` into the plain model and
 ``optimizer.load_state_dict(checkpoint['optimizer'])`` BEFORE wrapping. The optimizer too is
