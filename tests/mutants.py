@@ -365,6 +365,7 @@ def run_mutant(name: str, first: bool) -> list[tuple[str, bool, float]]:
         shutil.copytree(ROOT / "minishard", tmp / "minishard")
         shutil.copytree(ROOT / "tests", tmp / "tests",
                         ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+        shutil.copytree(ROOT / "tutorials", tmp / "tutorials")  # lessons assert claims too
         shutil.copy(ROOT / "pyproject.toml", tmp / "pyproject.toml")
         for path, text in patched_sources(name).items():
             (tmp / path).write_text(text)
@@ -376,8 +377,9 @@ def run_mutant(name: str, first: bool) -> list[tuple[str, bool, float]]:
             proc = subprocess.run([sys.executable, "-m", "pytest", selection, "-x", "-q",
                                    "-p", "no:cacheprovider"], cwd=tmp, env=env,
                                   capture_output=True, text=True, timeout=1800)
-            results.append((selection, proc.returncode != 0, time.perf_counter() - t0))
-            if proc.returncode not in (0, 1):  # not "tests failed": a crash or a usage error
+            # Killed means "tests failed" (1); a usage error or no test collected is no kill.
+            results.append((selection, proc.returncode == 1, time.perf_counter() - t0))
+            if proc.returncode not in (0, 1):
                 print(proc.stdout[-3000:], proc.stderr[-3000:])
             if first and proc.returncode != 0:
                 break

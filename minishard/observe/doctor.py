@@ -80,6 +80,8 @@ def _first_divergence(records: dict[int, dict]):
     found = []
     for group, by_rank in streams.items():
         members = [r for r in group if r in records]
+        if not members:  # a group of ranks that left no record
+            continue
         begin = max(min(by_rank.get(r, {0: None})) for r in members)  # rings drop the oldest
         end = max(max(s) for s in by_rank.values())
         for nth in range(begin, end + 1):
@@ -98,6 +100,9 @@ def _checkpointing(text: str) -> bool:
     return bool(re.search(r"checkpoint|full_state|from rank 0|dcp|verdict", text))
 
 
+_REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
 def _classify(records, sides) -> tuple[str, int]:
     """The cause that fits ``sides``, and the rank whose line to name."""
     present = {r: e for r, e in sides.items() if e is not None}
@@ -113,8 +118,13 @@ def _classify(records, sides) -> tuple[str, int]:
     if len(counts) > 1:  # the rank a backward pass ahead skipped a reduction
         return "no_sync on some ranks only", max(present, key=lambda r: present[r]["backwards"])
     phases = {e["phase"] for e in present.values()}
-    if phases == {"backward"}:
-        return "a parameter frozen on some ranks only", min(present)
+    if phases == {"backward"}:  # a rank with no reduction in this pass skipped them all
+        (b,) = counts
+        quiet = [r for r in present if not any(
+            e["backwards"] == b and e["phase"] == "backward" and e["op"] in _REDUCTIONS
+            for e in records[r]["collectives"])]
+        return (("no_sync on some ranks only", quiet[0]) if quiet else
+                ("a parameter frozen on some ranks only", min(present)))
     # A forward some ranks ran: name the line the other ranks never issued from.
     lines = {r: {(e["file"], e["line"]) for e in records[r]["collectives"]} for r in present}
     for r, e in sorted(present.items()):
@@ -155,7 +165,8 @@ def diagnose(directory: str | Path) -> list[str]:
             seen = f"rank {rank} was aborted (its rank{rank}.fault) at {line}"
         else:
             cause, line = "a rank died", "?"
-            seen = f"rank {rank} left no record: it died (killed, out of memory, os._exit)"
+            seen = (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} left no "
+                    "record: died (killed, out of memory, os._exit), or killed once one did")
         last = {r: rec["collectives"][-1] for r, rec in sorted(records.items()) if rec["collectives"]}
         others = f"; rank {min(last)} waits at {_where(last[min(last)])}" if last else ""
         return [f"{cause}: {seen}{others}", *[_side(r, e) for r, e in last.items()],

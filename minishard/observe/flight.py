@@ -7,7 +7,8 @@ engine's last event and the user's line. This module writes that ring to
 
 * when one of comm's collectives times out (``MINISHARD_TIMEOUT``), fails in the backend, or a
   stamp or debug check finds the ranks disagreeing (the error is raised after the dump);
-* on ``SIGUSR1`` (``kill -USR1 <pid>``: a job that seems stuck, still running);
+* on ``SIGUSR1`` (``kill -USR1 <pid>``: a job that seems stuck, still running), and on
+  ``SIGTERM`` (torchrun stopping the ranks once one failed), then it dies as before;
 * on request: ``minishard.dump_flight_record(dir)``;
 * at exit, when ``MINISHARD_FLIGHT_DIR`` is set (a rank that left the loop early says so).
 A rank that gloo aborts (a size mismatch it detects in its own thread) cannot run Python: its
@@ -95,9 +96,11 @@ def arm() -> None:
         return
     _armed.update(pid=os.getpid(), rank=_rank(), world=dist.get_world_size())
     FLIGHT.on_failure = _on_failure
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, None)):
-        signal.signal(signal.SIGUSR1, lambda *_: _dump_quietly("SIGUSR1"))
+    for signum, handler in ((signal.SIGUSR1, lambda *_: _dump_quietly("SIGUSR1")),
+                            (signal.SIGTERM, _on_sigterm)):
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signum) in (signal.SIG_DFL, None)):
+            signal.signal(signum, handler)
     if os.environ.get("MINISHARD_FLIGHT_DIR"):
         atexit.register(lambda: FLIGHT.ring and "failed" not in _armed and _dump_quietly("exit"))
     if not faulthandler.is_enabled():
@@ -107,6 +110,15 @@ def arm() -> None:
             faulthandler.enable(_armed["fault"], all_threads=True)
     _armed["watch"] = contextlib.ExitStack()
     _armed["watch"].enter_context(params.torch_collectives())
+
+
+def _on_sigterm(signum, frame) -> None:
+    """torchrun stops every rank once one fails: write the record (unless a failure's is
+    there), then die of SIGTERM as before."""
+    if "failed" not in _armed:
+        _dump_quietly("SIGTERM: stopped from outside (torchrun stops every rank once one fails)")
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def _on_failure(message: str) -> None:
