@@ -5,7 +5,7 @@ Public names only; the modules tell the story. The house, one folder per concern
   syncbn.py          SyncBatchNorm (autograd Function + module) and convert/revert helpers
   zero/              THE ENGINE, and nothing else; start at zero/engine.py (its event table)
   checkpoint/        full state dicts, per-rank shard files, torch.distributed.checkpoint (DCP)
-  observe/           trace, allocations, the memory formulas, the plan estimator
+  observe/           trace, allocations, the memory formulas, the plan, the flight record, doctor
   course/            exercises that check themselves, their oracles, the tour
   sharded_optimizer.py  ShardedOptimizer: ZeRO-1 over parameters (torch's ZeroRedundancyOptimizer)
   join.py            torch's Join for a ZeRO model (uneven inputs); attaches from outside
@@ -13,7 +13,7 @@ Public names only; the modules tell the story. The house, one folder per concern
   launch.py          session(): set-up and clean tear-down for scripts started by torchrun
   testing.py         RankPool: warm gloo ranks for tests
 Arrows point down: features import the engine, never the other way round (tests/test_budgets.py).
-``python -m minishard.plan``, ``.tour`` and ``.exercise`` name the modules in observe/ and course/.
+``python -m minishard.plan``, ``.doctor``, ``.tour``, ``.exercise``: modules in observe/, course/.
 """
 import importlib.abc
 import importlib.util

@@ -5,6 +5,7 @@ The oracle for resuming is the uninterrupted run: 4 steps straight at world size
 global batch (from the step's seed) split evenly over whoever runs it, so world size changes
 nothing but the order of floating-point sums (float64 keeps that below 1e-12).
 """
+import contextlib
 import os
 import unittest.mock
 import uuid
@@ -552,3 +553,84 @@ def test_groups_in_another_order_are_refused_not_swapped(pools, tmp_path, stage)
     for outcome, said, untouched in pools(2).run(load_into_swapped_groups, stage, "sgd", ckpt):
         assert outcome == "refused", said
         assert "same param groups" in said and all(untouched)
+
+
+# ------------------------------------------------------------- overwrite, crashed at any point
+class Crash(BaseException):
+    """The process dying at that point: no minishard code may catch it."""
+
+
+def _crash(*args, **kwargs):
+    raise Crash
+
+
+def _crash_at(point: str):
+    """Patches that kill the save at ``point`` (rank 0 does the moves)."""
+    import minishard.checkpoint.dcp as dcp
+    import minishard.checkpoint.state as state
+    stack, patch = contextlib.ExitStack(), unittest.mock.patch.object
+    if point == "writing":  # the rank files (minishard), the digests after DCP's files (dcp)
+        stack.enter_context(patch(state, "atomic_save", _crash))
+        stack.enter_context(patch(dcp, "atomic_save", _crash))
+    elif point == "before the swap":
+        stack.enter_context(patch(state, "_swap_in", _crash))
+    elif point == "between the renames":  # path -> path.previous done, path.saving -> path not
+        rename = os.rename
+
+        def rename_then_crash(src, dst):
+            if os.fspath(src).endswith(".saving"):
+                raise Crash
+            rename(src, dst)
+        stack.enter_context(patch(state.os, "rename", rename_then_crash))
+    else:
+        stack.enter_context(patch(state.shutil, "rmtree", _crash))
+    return stack
+
+
+def _equals(model, steps: dict) -> list:
+    """The steps whose full state dict ``model``'s equals exactly."""
+    got = model.full_state_dict()
+    return [s for s, sd in steps.items() if all(torch.equal(got[k], sd[k]) for k in sd)]
+
+
+def overwrite_crashing(ckpt, point, format):
+    """Save step 1 at ``ckpt``; overwrite it with step 2, crashing at ``point``; load what
+    ``ckpt`` then holds; overwrite once more (step 3) and load. Returns (the steps the first
+    load equals, those the last equals, what is left beside ckpt)."""
+    world, rank = ws_rank()
+    model, opt = make(2, "adam")
+    steps, loaded = {}, []
+    for step in (1, 2, 3):
+        train(model, opt, [step], world, rank)
+        steps[step] = model.full_state_dict()
+        with _crash_at(point) if step == 2 else contextlib.nullcontext():
+            try:
+                save_checkpoint(ckpt, model, opt, overwrite=step > 1, format=format)
+            except Crash:
+                pass
+        if step > 1:  # what a restarted job finds
+            twin, twin_opt = make(2, "adam", seed=5)
+            load_checkpoint(ckpt, twin, twin_opt)
+            loaded.append(_equals(twin, steps))
+    leftovers = sorted(p for p in os.listdir(os.path.dirname(ckpt))
+                       if p.startswith(os.path.basename(ckpt) + "."))
+    return loaded[0], loaded[1], leftovers
+
+
+# where the crash leaves the previous checkpoint (1) or the new one (2) as what `ckpt` holds
+CRASHES = {"writing": 1, "before the swap": 1, "between the renames": 2,
+           "deleting the previous": 2}
+
+
+@pytest.mark.parametrize("format", ["minishard", "dcp"])
+@pytest.mark.parametrize("point", list(CRASHES))
+def test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint(pools, tmp_path, point,
+                                                                  format):
+    """nanoGPT rewrites one checkpoint at every evaluation (``overwrite=True``). A crash at any
+    point of the rewrite leaves ``ckpt`` loading as the previous save or the new one, whole
+    (equal to that step's weights), never a mix and never an error; the next overwrite
+    succeeds and leaves nothing beside it."""
+    ckpt = fresh(tmp_path)
+    loaded, last, leftovers = pools(1).run(overwrite_crashing, ckpt, point, format)[0]
+    assert loaded == [CRASHES[point]] and last == [3] and leftovers == [], (loaded, last,
+                                                                             leftovers)

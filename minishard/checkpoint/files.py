@@ -41,6 +41,7 @@ DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; D
 FORMAT_VERSION = 2
 META = "meta.pt"
 EXTRA = "extra.pt"  # save_checkpoint(extra=...): every rank's own state, by rank
+SAVING, PREVIOUS = ".saving", ".previous"  # beside a checkpoint being overwritten
 
 
 class CheckpointError(RuntimeError):
@@ -218,6 +219,22 @@ def _check_file(path: str, info: dict, checksums: bool, where: str) -> None:
 def _natural_key(name: str) -> list:
     # re.split with a group puts the digit runs at the odd positions: ints compare with ints.
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def committed(path: str) -> str:
+    """The directory holding the checkpoint saved at ``path``: ``path`` if it exists (an
+    overwrite never leaves it incomplete); else, after a crash between the renames of an
+    overwrite (state.py: [Note: overwrite]), the complete one of ``path.saving`` (the new) and
+    ``path.previous``. Not collective."""
+    if os.path.exists(path):
+        return path
+    for candidate in (path + SAVING, path + PREVIOUS):
+        try:
+            check_checkpoint(candidate, checksums=False)
+            return candidate
+        except CheckpointError:
+            continue
+    return path
 
 
 def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str | None:

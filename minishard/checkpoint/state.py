@@ -31,14 +31,15 @@ says otherwise. Hybrid sharding, the full export and the training loop's own sta
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 
 import torch
 
 from minishard import comm
 from minishard.checkpoint import files as checkpoint_files
-from minishard.checkpoint.files import (DCP_DIGESTS, DCP_METADATA, EXTRA, FORMAT_VERSION, META,
-                                        CheckpointError, atomic_save, check_checkpoint,
+from minishard.checkpoint.files import (DCP_METADATA, EXTRA, FORMAT_VERSION, META, PREVIOUS,
+                                        SAVING, CheckpointError, atomic_save, check_checkpoint,
                                         checkpoint_path, latest_checkpoint, saved_piece,
                                         saved_rows, shard_file_name)
 from minishard.checkpoint.dcp import (init_optimizer_state, is_dcp_checkpoint, read_dcp, save_dcp)
@@ -91,8 +92,9 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     what they wrote (an all-gather, which is also the barrier: it cannot finish before every
     file is in place); then rank 0 writes meta.pt; a last all-reduce makes every rank return
     only once the checkpoint is complete. ``path`` must not hold a checkpoint already, unless
-    ``overwrite`` (its meta.pt or .metadata is then removed first: until the new one lands, the
-    directory is incomplete -- that is why a fresh directory per step is safer).
+    ``overwrite``: then the new one is written beside it (``path.saving``) and swapped in once
+    complete, so a crash at any moment leaves the previous or the new one loadable from ``path``
+    (nanoGPT's habit: one checkpoint, rewritten at every evaluation).
 
     Hybrid sharding (a 2-D mesh): the replicas hold identical shards, so only the first one
     (replicate rank 0) writes, one file per rank of its shard group; the others wait for it
@@ -100,18 +102,20 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     """
     if format not in ("minishard", "dcp"):
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
-    path = os.fspath(path)
+    path = os.path.normpath(os.fspath(path))
     if format == "dcp":
         init_optimizer_state(optimizer)
     extras = _gather_extras(extra, model.every_group)
 
     def write() -> None:
-        _make_room(path, model.group, overwrite)
-        record = _write_extras(path, extras, model.group)  # before the marker: see there
+        into = _make_room(path, model.group, overwrite)
+        record = _write_extras(into, extras, model.group)  # before the marker: see there
         if format == "dcp":
-            save_dcp(path, model, optimizer, record)
+            save_dcp(into, model, optimizer, record)
         else:
-            _save_shards(path, model, optimizer, record)
+            _save_shards(into, model, optimizer, record)
+        if into != path:
+            _swap_in(into, path, model.group)
 
     replicas = getattr(model, "replicate_group", None)
     if replicas is None:
@@ -127,22 +131,42 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
         "checkpoint is incomplete"))
 
 
-def _make_room(path: str, group, overwrite: bool) -> None:
-    """Refuse a directory that holds a checkpoint of either format, unless ``overwrite``: then
-    its marker (meta.pt, DCP's .metadata) is removed first, so until the new one lands the
-    directory reads as incomplete, never as a mix of two steps."""
-    markers = [os.path.join(path, name) for name in (META, DCP_METADATA)]
-    if any(os.path.exists(m) for m in markers) and not overwrite:
+# [Note: overwrite] Replacing a checkpoint never leaves none: the new one is written into
+# ``path.saving``; once complete, rank 0 renames ``path`` -> ``path.previous`` and
+# ``path.saving`` -> ``path``, then deletes ``path.previous``. At every moment one complete
+# checkpoint is where ``files.committed(path)`` looks (path, else path.saving, else
+# path.previous): a crash leaves the previous or the new one loadable, never a mix, never none.
+def _make_room(path: str, group, overwrite: bool) -> str:
+    """Where to write: ``path`` when it holds no checkpoint of either format; with
+    ``overwrite``, ``path.saving`` beside the one it holds; else refused. Rank 0 first finishes
+    a swap a crash interrupted and removes what a crashed save left beside ``path``."""
+    def holds() -> bool:
+        return any(os.path.exists(os.path.join(path, m)) for m in (META, DCP_METADATA))
+
+    if comm.group_rank(group) == 0:
+        found = checkpoint_files.committed(path)
+        if not os.path.exists(path) and found != path:  # crashed between _swap_in's renames
+            os.rename(found, path)
+        for leftover in (path + SAVING, path + PREVIOUS) if holds() and overwrite else ():
+            if os.path.exists(leftover):
+                shutil.rmtree(leftover)
+    comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: room made")
+    if holds() and not overwrite:
         raise FileExistsError(
             f"{path} already holds a checkpoint; save each step into a fresh directory "
             "(checkpoint_path(root, step)), or pass overwrite=True")
-    os.makedirs(path, exist_ok=True)
-    if overwrite:
-        if comm.group_rank(group) == 0:  # the DCP digests go with them: they match nothing
-            for marker in markers + [os.path.join(path, DCP_DIGESTS)]:
-                if os.path.exists(marker):
-                    os.remove(marker)  # from here on the directory reads as incomplete
-        comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: previous marker removed")
+    into = path + SAVING if holds() else path
+    os.makedirs(into, exist_ok=True)
+    return into
+
+
+def _swap_in(into: str, path: str, group) -> None:
+    """The complete checkpoint in ``into`` becomes ``path`` ([Note: overwrite])."""
+    if comm.group_rank(group) == 0:
+        os.rename(path, path + PREVIOUS)  # a crash here: files.committed finds path.saving
+        os.rename(into, path)
+        shutil.rmtree(path + PREVIOUS)
+    comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: swapped in")
 
 
 def _gather_extras(extra, every) -> list:
@@ -347,7 +371,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     ``format="dcp"``) is read the same way, by DCP (dcp.py); the metadata returned is
     then ``{"format": "dcp", "param_groups": [the saved groups]}``.
     """
-    path, group = os.fspath(path), model.group
+    path, group = checkpoint_files.committed(os.path.normpath(os.fspath(path))), model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
         extras = _read_extras(path, checkpoint_files.dcp_extra_record(path), model.every_group,

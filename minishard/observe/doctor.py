@@ -1,6 +1,6 @@
 """The doctor: every rank's flight record side by side, the first divergence named in words.
 
-    python -m minishard.doctor DIR      # DIR: $MINISHARD_FLIGHT_DIR, else observe/flight.py's default
+    python -m minishard.doctor DIR     # DIR: $MINISHARD_FLIGHT_DIR, else flight.py's default
 
 Ranks must issue the same collectives in the same order on each group, so the records (flight.py)
 are lined up by group and by each collective's place on it (``nth``). The first place where the
@@ -50,10 +50,11 @@ def load(directory: str | Path) -> tuple[dict[int, dict], dict[int, str], int]:
         job = max(records.values(), key=lambda r: r["written"])["job"]
         records = {r: rec for r, rec in records.items() if rec["job"] == job}
     world = max([rec["world"] for rec in records.values()] + [0])
+    began = min([rec.get("armed") or rec["written"] for rec in records.values()] + [0.0])
     faults = {}
-    for path in directory.glob("rank*.fault"):
+    for path in directory.glob("rank*.fault"):  # written since this job began
         text, rank = path.read_text(errors="replace"), int(path.stem[4:])
-        if text.strip() and rank not in records:
+        if text.strip() and rank not in records and path.stat().st_mtime >= began - 60:
             faults[rank] = text
             world = max(world, rank + 1)
     return records, faults, world
@@ -67,8 +68,9 @@ def _side(rank: int, e: dict | None) -> str:
     if e is None:
         return f"  rank {rank}: issued nothing here (its record ends)"
     state = "landed" if e["landed"] else "WAITING"
-    return (f"  rank {rank}: {e['op']} of {e['tag'] or '?'} ({e['bytes']} bytes), {e['phase'] or '-'}"
-            f" of unit {e['unit'] or '-'}, backward pass {e['backwards']}, at {_where(e)} [{state}]")
+    return (f"  rank {rank}: {e['op']} of {e['tag'] or '?'} ({e['bytes']} bytes), "
+            f"{e['phase'] or '-'} of unit {e['unit'] or '-'}, backward pass {e['backwards']}, "
+            f"at {_where(e)} [{state}]")
 
 
 def _first_divergence(records: dict[int, dict]):
@@ -167,7 +169,8 @@ def diagnose(directory: str | Path) -> list[str]:
             cause, line = "a rank died", "?"
             seen = (f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} left no "
                     "record: died (killed, out of memory, os._exit), or killed once one did")
-        last = {r: rec["collectives"][-1] for r, rec in sorted(records.items()) if rec["collectives"]}
+        last = {r: rec["collectives"][-1] for r, rec in sorted(records.items())
+                if rec["collectives"]}
         others = f"; rank {min(last)} waits at {_where(last[min(last)])}" if last else ""
         return [f"{cause}: {seen}{others}", *[_side(r, e) for r, e in last.items()],
                 f"fix: {CAUSES.get(cause, _GENERIC)}"]

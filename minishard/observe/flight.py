@@ -8,7 +8,7 @@ engine's last event and the user's line. This module writes that ring to
 * when one of comm's collectives times out (``MINISHARD_TIMEOUT``), fails in the backend, or a
   stamp or debug check finds the ranks disagreeing (the error is raised after the dump);
 * on ``SIGUSR1`` (``kill -USR1 <pid>``: a job that seems stuck, still running), and on
-  ``SIGTERM`` (torchrun stopping the ranks once one failed), then it dies as before;
+  ``SIGTERM`` (torchrun stopping the ranks once one failed), then it dies of that signal;
 * on request: ``minishard.dump_flight_record(dir)``;
 * at exit, when ``MINISHARD_FLIGHT_DIR`` is set (a rank that left the loop early says so).
 A rank that gloo aborts (a size mismatch it detects in its own thread) cannot run Python: its
@@ -68,7 +68,8 @@ def dump_flight_record(dir: str | os.PathLike | None = None, why: str = "on requ
             issued=f.t0 + offset, landed=None if f.t1 is None else f.t1 + offset))
     record = dict(rank=_rank(), world=_armed.get("world", 1),
                   job=os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", ""),
-                  pid=os.getpid(), why=why, written=time.time(), issued=FLIGHT.seq,
+                  pid=os.getpid(), why=why, armed=_armed.get("time"), written=time.time(),
+                  issued=FLIGHT.seq,
                   collectives=rows, torch=_torch_record())
     path = out / f"rank{record['rank']}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -94,7 +95,7 @@ def arm() -> None:
     recorded from now on."""
     if _armed.get("pid") == os.getpid():
         return
-    _armed.update(pid=os.getpid(), rank=_rank(), world=dist.get_world_size())
+    _armed.update(pid=os.getpid(), rank=_rank(), world=dist.get_world_size(), time=time.time())
     FLIGHT.on_failure = _on_failure
     for signum, handler in ((signal.SIGUSR1, lambda *_: _dump_quietly("SIGUSR1")),
                             (signal.SIGTERM, _on_sigterm)):
@@ -114,7 +115,7 @@ def arm() -> None:
 
 def _on_sigterm(signum, frame) -> None:
     """torchrun stops every rank once one fails: write the record (unless a failure's is
-    there), then die of SIGTERM as before."""
+    there), then die of SIGTERM all the same."""
     if "failed" not in _armed:
         _dump_quietly("SIGTERM: stopped from outside (torchrun stops every rank once one fails)")
     signal.signal(signum, signal.SIG_DFL)
