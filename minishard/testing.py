@@ -105,7 +105,7 @@ class RankPool:
             raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout, self.error_grace = world_size, timeout, error_grace
         self._procs: list = []
-        self._calls = 0
+        self._calls, self._died_at = 0, None
         self.startup_seconds: float | None = None
         # A pool nobody closed is still cleaned up when the interpreter exits: no orphan ranks.
         self._finalizer = weakref.finalize(self, _kill, self._procs)
@@ -183,7 +183,7 @@ class RankPool:
                 "are separate processes: pass a module-level function (not a lambda, closure or "
                 "nested function) and picklable arguments.") from exc
         self.start()
-        self._calls += 1
+        self._calls, self._died_at = self._calls + 1, None
         call_id = self._calls
         for q in self._tasks:
             q.put((call_id, payload))
@@ -214,11 +214,15 @@ class RankPool:
         return [pickle.loads(outs[r][1]) for r in range(self.world_size)]
 
     def _get(self, deadline: float):
-        """The next message from any rank; TimeoutError at the deadline or if a rank died."""
+        """The next message from any rank; TimeoutError at the deadline, or ``error_grace``
+        seconds after a rank died (meanwhile the others may still answer: a rank left waiting
+        for the dead one fails in its own words and writes its flight record)."""
         while True:
             dead = [p.name for p in self._procs if not p.is_alive()]
             if dead:
-                raise TimeoutError(f"rank processes died: {dead}")
+                self._died_at = self._died_at or time.monotonic()
+                if time.monotonic() - self._died_at > self.error_grace:
+                    raise TimeoutError(f"rank processes died: {dead}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("timed out")

@@ -193,9 +193,12 @@ MUTANTS = {
         ["tests/test_your_parameters.py::test_the_parameters_stay_the_users",
          "tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
     "torch_clip_unseen_by_the_ledger": (
-        "the ledger does not watch the collectives DTensor runs for torch's clip_grad_norm_",
-        [("minishard/zero/params.py", "costs.WATCHERS.append(torch_collectives)", "pass")],
-        ["tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process"]),
+        "the collectives DTensor runs for torch's clip_grad_norm_ are not recorded (ledger, "
+        "flight record): the watcher passes them through unseen",
+        [("minishard/zero/params.py", """            comm.record(op, tensor.numel() * (n if gathered else 1), tensor.dtype, n,
+                        f"torch {op}", group=group)""", "            pass")],
+        ["tests/test_torch_tools.py::test_torch_clip_on_model_parameters_equals_one_process",
+         "tests/test_hangs.py::test_dtensor_collectives_for_torch_tools_are_recorded"]),
     "replicated_gradient_averaged_over_the_shard_group": (
         "on a 2-D mesh a replicated parameter's gradient is averaged inside its shard group "
         "only: each replica steps it with its own mean",
