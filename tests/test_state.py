@@ -67,6 +67,7 @@ class Net(nn.Module):
 OPTIMIZERS = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
     "adam": lambda params: torch.optim.Adam(params, lr=0.01),
+    "adam_foreach": lambda params: torch.optim.Adam(params, lr=0.01, foreach=True),
 }
 
 
@@ -598,7 +599,8 @@ def overwrite_crashing(ckpt, point, format):
     ``ckpt`` then holds; overwrite once more (step 3) and load. Returns (the steps the first
     load equals, those the last equals, what is left beside ckpt)."""
     world, rank = ws_rank()
-    model, opt = make(2, "adam")
+    opt_name = "adam" if format == "minishard" else "adam_foreach"  # for-loop and foreach
+    model, opt = make(2, opt_name)
     steps, loaded = {}, []
     for step in (1, 2, 3):
         train(model, opt, [step], world, rank)
@@ -609,7 +611,7 @@ def overwrite_crashing(ckpt, point, format):
             except Crash:
                 pass
         if step > 1:  # what a restarted job finds
-            twin, twin_opt = make(2, "adam", seed=5)
+            twin, twin_opt = make(2, opt_name, seed=5)
             load_checkpoint(ckpt, twin, twin_opt)
             loaded.append(_equals(twin, steps))
     leftovers = sorted(p for p in os.listdir(os.path.dirname(ckpt))
