@@ -54,6 +54,27 @@ On CPU, where nanoGPT does not pass ``fused=True`` (it does on CUDA), give AdamW
 ``foreach=True``: each op on a DTensor pays a Python dispatch (README, "torch's tools see the
 shards").
 
+The same port to FSDP2, both made on nanoGPT's own train.py by the fewest edits that train
+right and run beside DDP at 1-4 ranks (``bench/nanogpt_port.py``; losses equal to DDP's at every
+iteration with the clip active, and after a resume):
+
+    lines changed from train.py under DDP         minishard (stage 1, 2 or 3)   FSDP2
+    imports                                       2 (minishard; Block)          2
+    the wrap                                      1                             3 (each Block, root)
+    every rank starts from rank 0's weights       0 (ZeRO broadcasts, as DDP)   2
+    optimizer built, its state loaded, after it   0 (nanoGPT's order works)     4 (moved; set_
+                                                                                optimizer_state_dict)
+    raw_model = model.module                      0                             1
+    require_backward_grad_sync                    0 (honoured)                  1
+    evaluate on every rank, one save decision     5                             5
+    the checkpoint's model and optimizer, save    3                             3
+    total                                         11                            21
+
+The evaluation's five: no ``and master_process``; ``with torch.random.fork_rng(enabled=not
+master_process):`` around ``estimate_loss()`` (the other ranks keep their training batches);
+``torch.distributed.broadcast(losses['val'], 0)`` (the save is decided from rank 0's loss, as
+DDP decides it); ``wandb.log`` on rank 0 only.
+
 One change is for this lesson only: nanoGPT samples each rank's batches with its own seed. Here
 a batch is a function of (iteration, micro-batch number over ALL ranks), so that the run can
 be compared with ONE process doing every micro-batch of an iteration: the port must give the
