@@ -253,6 +253,12 @@ MUTANTS = {
         [("minishard/zero/guards.py", "            _keep_state_rows(optimizer.state.get(group[\"params\"][i]), "
           "group[\"params\"][i])", "            pass")],
         ["tests/test_your_parameters.py::test_nanogpt_resume_loads_the_optimizer_before_wrapping"]),
+    "dtensor_shards_of_another_cut_loaded": (
+        "a state dict of one rank's DTensor shards loaded at another world size or stage: "
+        "torch's raw mesh error, not the way forward",
+        [("minishard/zero/guards.py", "            elif isinstance(value, DTensor) and _cut(value) != _cut(p):",
+          "            elif False:")],
+        ["tests/test_errors.py::test_dtensor_shards_load_only_as_they_were_cut"]),
     "optimizer_built_before_steps_the_originals": (
         "an optimizer built before wrapping keeps stepping the parameters wrapping replaced: "
         "the model trains nothing (FSDP2's behaviour)",

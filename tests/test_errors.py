@@ -2,6 +2,7 @@
 never silent wrong numbers). Each test checks the MESSAGE, not only the exception type."""
 import gc
 import os
+import re
 
 import pytest
 import torch
@@ -115,6 +116,29 @@ def save(path, width):
 def load(path, width):
     model = minishard.ZeRO(nn.Sequential(nn.Linear(width, width), nn.Linear(width, 2)), stage=3)
     minishard.load_checkpoint(path, model, torch.optim.Adam(model.parameters()))
+
+
+def two_linears(seed, stage):
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    return net if stage is None else minishard.ZeRO(net, stage=stage, units={nn.Linear})
+
+
+def save_shards(path, stage):
+    """What a user saving ``model.state_dict()`` on each rank writes: DTensors of its rows."""
+    torch.save(two_linears(0, stage).state_dict(), os.path.join(path, f"rank{dist.get_rank()}.pt"))
+
+
+def load_shards(path, stage):
+    """Every rank loads a saving rank's file (rank 0's and 1's alternate); returns its error
+    message, or how far the loaded model is from the saved one."""
+    model = two_linears(1, stage)
+    try:
+        model.load_state_dict(torch.load(os.path.join(path, f"rank{dist.get_rank() % 2}.pt")))
+    except RuntimeError as exc:
+        return str(exc)
+    got = model.full_state_dict()
+    return max((got[k] - v).abs().max().item() for k, v in two_linears(0, None).state_dict().items())
 
 
 def debug_mismatched_shapes():
@@ -247,6 +271,13 @@ def test_checkpoint_without_meta_is_incomplete(pools, saved, tmp_path):
         pools(2).run(load, str(copy), 4)
 
 
+def test_a_torch_save_file_is_not_a_checkpoint(pools, tmp_path):
+    torch.save({"model": nn.Linear(4, 4).state_dict(), "iter_num": 3}, tmp_path / "ckpt.pt")
+    with pytest.raises(RankError, match="ckpt.pt is a file, not a checkpoint directory: .* "
+                                        "loads with torch.load and load_state_dict"):
+        pools(2).run(load, str(tmp_path / "ckpt.pt"), 4)
+
+
 def test_checkpoint_world_size_metadata_mismatch(pools, saved, tmp_path):
     import shutil
     copy = tmp_path / "step-000001"
@@ -256,6 +287,18 @@ def test_checkpoint_world_size_metadata_mismatch(pools, saved, tmp_path):
     torch.save(meta, copy / "meta.pt")
     with pytest.raises(RankError, match="world size|world_size|3"):
         pools(2).run(load, str(copy), 4)
+
+
+def test_dtensor_shards_load_only_as_they_were_cut(pools, tmp_path):
+    pools(2).run(save_shards, str(tmp_path), 3)
+    assert pools(2).run(load_shards, str(tmp_path), 1) == [0.0, 0.0]  # stage 1 cuts as 3 does
+    for world, stage, held in ((2, 0, r"a whole tensor of shape \(6, 4\) \(stage 0\)"),
+                               (3, 3, r"a DTensor of \(2, 4\) local rows on ranks \[0, 1, 2\]")):
+        for message in pools(world).run(load_shards, str(tmp_path), stage):  # every rank says it
+            assert re.search(r"'module.0.weight' holds a DTensor of \(3, 4\) local rows on "
+                             r"ranks \[0, 1\] \(S\(0\)\), but this model holds it as " + held,
+                             message), message
+            assert "minishard.save_checkpoint" in message and "full_state_dict()" in message
 
 
 # ---------------------------------------------------------------------- harness and debug

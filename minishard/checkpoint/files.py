@@ -160,6 +160,11 @@ def check_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     also match the sha256 digests minishard writes beside it (:func:`check_dcp_digests`).
     Returns ``{"format": "dcp", "sha256": whether digests were checked}``. Not collective."""
     path = os.fspath(path)
+    if os.path.isfile(path):
+        raise CheckpointError(
+            f"{path} is a file, not a checkpoint directory: a file written by torch.save (a "
+            "full state dict, nanoGPT's ckpt.pt) loads with torch.load and load_state_dict, into "
+            "the plain model before wrapping or into the wrapped one (each rank keeps its rows)")
     if not os.path.isdir(path):
         raise CheckpointError(f"no checkpoint at {path}: no such directory")
     if os.path.isfile(os.path.join(path, DCP_METADATA)):  # torch.distributed.checkpoint's

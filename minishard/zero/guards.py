@@ -91,7 +91,8 @@ def _copy_my_rows(module, state_dict, prefix, local_metadata) -> None:
 
 def _keep_my_rows(module, state_dict, prefix, *args) -> None:
     """``load_state_dict`` of full plain tensors: each rank keeps its rows of each parameter
-    (a DTensor at stages 1-3, as the parameter is)."""
+    (a DTensor at stages 1-3, as the parameter is). DTensor shards load only as they were
+    cut: the same world size and stage."""
     for attr, p in module._parameters.items():
         slot, key = getattr(p, "_minishard_slot", None), prefix + attr
         if slot is not None and key in state_dict:
@@ -99,6 +100,22 @@ def _keep_my_rows(module, state_dict, prefix, *args) -> None:
             value = state_dict[key]
             if type(value) is torch.Tensor and value.shape == flat.shapes[j]:
                 state_dict[key] = flat.as_user(j, flat.my_rows(j, value).to(p.dtype))
+            elif isinstance(value, DTensor) and _cut(value) != _cut(p):
+                raise RuntimeError(
+                    f"load_state_dict: {key!r} holds {_cut(value)}, but this model holds it as "
+                    f"{_cut(p)}: a state dict of DTensor shards (model.state_dict(), saved by "
+                    "each rank) loads only at the world size and stage that saved it. Across "
+                    "them, save with minishard.save_checkpoint(path, model, optimizer) and load "
+                    "with load_checkpoint (either format reshards), or save full tensors: "
+                    "model.full_state_dict() (loadable into any model, wrapped or plain).")
+
+
+def _cut(t: torch.Tensor) -> str:
+    """How a tensor is cut over the ranks, in words (equal words: the same cut)."""
+    if not isinstance(t, DTensor):
+        return f"a whole tensor of shape {tuple(t.shape)} (stage 0)"
+    return (f"a DTensor of {tuple(t.to_local().shape)} local rows on ranks "
+            f"{t.device_mesh.mesh.tolist()} ({', '.join(map(str, t.placements))})")
 
 
 def _refuse_direct_use(name: str, unit: str):
