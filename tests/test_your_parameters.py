@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import minishard
 
@@ -249,7 +250,8 @@ def test_nanogpt_configure_optimizers_decays_by_dim(pools, world, stage, when):
 def nanogpt_resume(stage: int, foreach: bool) -> dict:
     """nanoGPT's resume: a fresh plain model and optimizer load a checkpoint of one process's
     run (``model.load_state_dict``, ``optimizer.load_state_dict``: full tensors), THEN the
-    model is wrapped; two more steps must match that process's. SGD with momentum: exact."""
+    model is wrapped; two more steps must match that process's, and DDP's after the same
+    resume (nanoGPT's own order under DDP). SGD with momentum: exact."""
     n, r = dist.get_world_size(), dist.get_rank()
     kind = functools.partial(torch.optim.SGD, momentum=0.9, foreach=foreach)
     args = dict(weight_decay=0.1, learning_rate=0.05, betas=(0.9, 0.95), optimizer=kind)
@@ -264,19 +266,26 @@ def nanogpt_resume(stage: int, foreach: bool) -> dict:
 
     oracle_step(), oracle_step()
     ckpt = copy.deepcopy({"model": oracle.state_dict(), "optimizer": ref.state_dict()})
-    torch.manual_seed(1)  # other initial values: the checkpoint must overwrite them
-    module = GPT()
-    module.load_state_dict(ckpt["model"])
-    opt = module.configure_optimizers(**args)
-    opt.load_state_dict(ckpt["optimizer"])
-    model = minishard.ZeRO(module, stage=stage, units={nn.Sequential})
-    for _ in range(2):
-        gpt_loss(model, idx[2 * r:2 * (r + 1)]).backward()
-        opt.step(), opt.zero_grad()
-        oracle_step()
+    def resumed(wrap):
+        torch.manual_seed(1)  # other initial values: the checkpoint must overwrite them
+        module = GPT()
+        module.load_state_dict(ckpt["model"])
+        opt = module.configure_optimizers(**args)
+        opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))  # torch's load keeps its tensors
+        model = wrap(module)
+        for _ in range(2):
+            gpt_loss(model, idx[2 * r:2 * (r + 1)]).backward()
+            opt.step(), opt.zero_grad()
+        return model, opt
+
+    model, opt = resumed(lambda m: minishard.ZeRO(m, stage=stage, units={nn.Sequential}))
+    ddp, _ = resumed(DDP)
+    oracle_step(), oracle_step()
     got, want = model.full_state_dict(), oracle.state_dict()
     saved = minishard.full_optimizer_state_dict(model, opt)  # what nanoGPT's save then writes
     return {"error": max((got[k] - v).abs().max().item() for k, v in want.items()),
+            "ddp error": max((got[k] - v).abs().max().item()
+                             for k, v in ddp.module.state_dict().items()),
             "state error": max((saved["state"][i]["momentum_buffer"] - s["momentum_buffer"])
                                .abs().max().item() for i, s in ref.state_dict()["state"].items()),
             "same keys": saved["state"].keys() == ref.state_dict()["state"].keys()}
@@ -287,7 +296,8 @@ def nanogpt_resume(stage: int, foreach: bool) -> dict:
 def test_nanogpt_resume_loads_the_optimizer_before_wrapping(pools, world, stage):
     foreach = (world + stage) % 2 == 1  # each world and each stage meets both (suite time)
     for out in pools(world).run(nanogpt_resume, stage, foreach):
-        assert out["same keys"] and out["error"] < TOL and out["state error"] < TOL, out
+        assert out["same keys"] and out["state error"] < TOL, out
+        assert out["error"] < TOL and out["ddp error"] < TOL, out
 
 
 def grads_under_mixed_precision(stage: int) -> list:
