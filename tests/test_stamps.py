@@ -9,6 +9,8 @@ wrong loss (then hangs). With the stamp every rank raises ``CollectiveMismatch``
 sides, before rank 0 reports any loss. The oracle is the message and where it is raised, plus a
 control: the same loop evaluating on EVERY rank runs to the end.
 """
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from torch import nn
 
 import minishard
 from minishard import comm
+from minishard.testing import RankPool
 
 
 class Block(nn.Module):
@@ -74,3 +77,42 @@ def test_a_stamp_is_bytes_of_its_description():
         assert a == comm.stamp("0/float32", itemsize) and len(a) >= comm.STAMP_BYTES
         assert len(a) % itemsize == 0 and a[4:13] == b"0/float32"
         assert comm.stamp(long + "a", itemsize) != comm.stamp(long + "b", itemsize)
+
+
+def frozen_on_rank_1(stage: int) -> dict:
+    """Block 1 frozen on rank 1 only: its backward reduces blocks 2 and 0, rank 0's reduces
+    2, 1 and 0, all of one size. Every rank has the same input, so a right gradient is the
+    plain model's. Returns what each rank's backward raised, and the largest distance of its
+    gradients' rows from the plain model's (blocks 0 and 2) if it finished."""
+    comm.set_timeout(3)
+    try:
+        torch.manual_seed(0)
+        plain = nn.Sequential(*[Block() for _ in range(3)])
+        model = minishard.ZeRO(copy.deepcopy(plain), stage=stage, units={Block})
+        x = torch.randn(4, 8)
+        plain(x).square().mean().backward()
+        if dist.get_rank() == 1:
+            model.module[1].requires_grad_(False)
+        try:
+            model(x).square().mean().backward()
+        except comm.CollectiveError as exc:
+            return {"error": str(exc)}
+        wrong = 0.0
+        for i in (0, 2):
+            for p, want in zip(model.module[i].parameters(), plain[i].parameters()):
+                chunk = p.grad.__create_chunk_list__()[0]  # this rank's rows: where, how many
+                rows = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                wrong = max(wrong, (p.grad.to_local() - want.grad[rows]).abs().max().item())
+        return {"error": None, "wrong": wrong}
+    finally:
+        comm.set_timeout(600)
+
+
+@pytest.mark.parametrize("stage", [2, 3])  # each unit's reduction alone (stage 1 buckets them)
+def test_reductions_of_different_units_are_never_combined(stage):
+    with RankPool(2, timeout=60) as pool:  # its own: a timeout leaves gloo's pairs closed
+        rank0, rank1 = pool.run(frozen_on_rank_1, stage)
+    # rank 0's reduction of block 1 met rank 1's of block 0 (the same size): it must wait and
+    # time out there, instead of averaging the two and timing out at its next reduction (of 0)
+    assert "reduce_scatter of 1/float32: waited 3 s" in (rank0["error"] or ""), rank0
+    assert rank1["error"] is None and rank1["wrong"] < 1e-6, rank1  # 2 and 0 met their own
