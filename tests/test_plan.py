@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
 import pytest
@@ -25,7 +26,8 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import minishard
-from minishard.observe.memory import activation_bytes, activation_bytes_per_layer, step_bytes
+from minishard.observe.memory import (activation_bytes, activation_bytes_per_layer, step_bytes,
+                                      zero_bytes)
 from minishard.observe.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
                                     parse_headroom)
 
@@ -47,6 +49,35 @@ def table_rows(out: str) -> dict[int, list[str]]:
 
 
 # ---------------------------------------------------------------------------- the paper's case
+# The ZeRO paper's Table 1 (Rajbhandari et al. 2020, arXiv:1910.02054): GB a device holds in
+# model states, mixed-precision Adam (K = 12), as printed there, for Pos / Pos+g / Pos+g+p.
+TABLE_1 = {
+    7.5e9: {1: "120 120 120", 4: "52.5 41.3 30", 16: "35.6 21.6 7.5", 64: "31.4 16.6 1.88",
+            256: "30.4 15.4 0.47", 1024: "30.1 15.1 0.12"},
+    128e9: {1: "2048 2048 2048", 4: "896 704 512", 16: "608 368 128", 64: "536 284 32",
+            256: "518 263 8", 1024: "513 257 2"},
+    1e12: {1: "16000 16000 16000", 4: "7000 5500 4000", 16: "4750 2875 1000",
+           64: "4187 2218 250", 256: "4046 2054 62.5", 1024: "4011 2013 15.6"},
+}
+
+
+def as_the_paper_prints(gb: float) -> str:
+    """The table's printing: from 100 GB the whole GB (4187.5 -> 4187), below that one decimal
+    (two below 10), half up (41.25 -> 41.3), trailing zeros dropped (7.50 -> 7.5)."""
+    if gb >= 100:
+        return str(math.floor(gb))
+    places = Decimal(10) ** -(1 if gb >= 10 else 2)
+    return format(Decimal(gb).quantize(places, ROUND_HALF_UP).normalize(), "f")
+
+
+def test_paper_table_1_every_cell():
+    for psi, rows in TABLE_1.items():
+        for ranks, printed in rows.items():
+            cells = [sum(zero_bytes(psi, ranks, stage, "adam", mixed_precision=True).values())
+                     for stage in (1, 2, 3)]
+            assert " ".join(as_the_paper_prints(b / 1e9) for b in cells) == printed, (psi, ranks)
+
+
 def test_paper_figure_1_numbers(capsys):
     out = run_cli(capsys, "--params", "7.5e9", "--ranks", "64", "--memory", "80GB",
                   "--mixed-precision")
