@@ -123,9 +123,9 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 # rank's row with a stamp (CRC of the buffers' names, then their first 28 bytes), compared before
 # any value is used. Always on, no extra collective: ranks issuing different gathers of equal size
 # (rank 0 evaluating alone) raise. The ledger leaves stamps out (32 bytes per rank and gather).
-# A sum cannot carry a stamp: the reductions comm runs by messages (gloo's reduce-scatter, the
-# direct and doubling all-reduces) carry the CRC of their tag in each message's tag, and messages
-# match on equal tags only: two reductions are never combined; they wait, and time out, named.
+# A sum cannot carry a stamp: on gloo a reduce-scatter's messages carry the CRC of its tag (the
+# buffers' names) in theirs, and match on equal tags only: two reductions are never combined;
+# they wait, and time out, named. So a reduce_scatter's ``tag`` must be equal on every rank.
 STAMP_BYTES = 32
 
 
@@ -279,10 +279,10 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
     dense = tensor.contiguous()
     flown = _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
-        works, total = _all_reduce_by_exchange(dense, op, group, n, tag)
+        works, total = _all_reduce_by_exchange(dense, op, group, n)
         return _finish(works, async_op, total, tensor, dense, flown=flown)
     if algorithm == "doubling" and n > 1:
-        works, rest = _all_reduce_by_doubling(dense, op, group, n, tag)
+        works, rest = _all_reduce_by_doubling(dense, op, group, n)
         return _finish(works, async_op, rest, tensor, dense, flown=flown)
     work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
     then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
@@ -305,7 +305,7 @@ def _op(op: str, who: str, tensor: torch.Tensor):
     return OPS[op]
 
 
-def _all_reduce_by_exchange(tensor, op, group, n, tag):
+def _all_reduce_by_exchange(tensor, op, group, n):
     """One round: every rank sends its whole tensor to every other rank and receives theirs, then
     reduces the N tensors in RANK ORDER::
 
@@ -316,14 +316,14 @@ def _all_reduce_by_exchange(tensor, op, group, n, tag):
     Every rank adds the same numbers in the same order, so every rank gets the same bits (a sum
     in each rank's own order would differ in the last bits from rank to rank). Costs (N-1)·S bytes
     sent and an (N-1)·S receive buffer: worth it only for small tensors (see the module doc)."""
-    r, flat, said = dist.get_rank(group), tensor.view(-1), _said(_ALL_REDUCE_TAG, tag)
+    r, flat = dist.get_rank(group), tensor.view(-1)
     recv = torch.empty((n - 1, flat.numel()), dtype=tensor.dtype, device=tensor.device)
     parts = [flat if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
     works = []
     for step in range(1, n):  # every rank sends to r+step while receiving from r-step
         to, frm = (r + step) % n, (r - step) % n
-        works.append(dist.isend(flat, _global(group, to), group=group, tag=said))
-        works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=said))
+        works.append(dist.isend(flat, _global(group, to), group=group, tag=_ALL_REDUCE_TAG))
+        works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=_ALL_REDUCE_TAG))
 
     def total() -> None:  # runs after every send finished: the own tensor may change now
         # Accumulate in recv[0], which holds part[0] or part[1]: no buffer beyond recv.
@@ -337,7 +337,7 @@ def _all_reduce_by_exchange(tensor, op, group, n, tag):
     return works, total
 
 
-def _all_reduce_by_doubling(tensor, op, group, n, tag):
+def _all_reduce_by_doubling(tensor, op, group, n):
     """log2 N rounds (N a power of two). In round k rank r swaps its running total with rank
     r XOR 2^k and adds what it received::
 
@@ -347,13 +347,13 @@ def _all_reduce_by_doubling(tensor, op, group, n, tag):
     Every rank gets the same bits: IEEE x+y == y+x exactly (so are max, min, x*y), so partners
     that swap X and Y both hold X+Y. log2 N * S bytes in log2 N messages and rounds (the direct
     exchange: (N-1) * S in one); round 0 is in flight on return, the rest run in ``wait()``."""
-    r, flat, said = dist.get_rank(group), tensor.view(-1), _said(_DOUBLING_TAG, tag)
+    r, flat = dist.get_rank(group), tensor.view(-1)
     recv = torch.empty_like(flat)
 
     def swap(k: int) -> list:
         peer = _global(group, r ^ (1 << k))
-        return [dist.isend(flat, peer, group=group, tag=said),
-                dist.irecv(recv, peer, group=group, tag=said)]
+        return [dist.isend(flat, peer, group=group, tag=_DOUBLING_TAG),
+                dist.irecv(recv, peer, group=group, tag=_DOUBLING_TAG)]
 
     def add() -> None:  # runs after the round's send finished: flat may change now
         OPS[op][1](flat, recv, out=flat)
@@ -461,7 +461,7 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n, tag):
     return works, total
 
 
-# Messages match on (peer, tag): an algorithm's byte over 24 bits of the CRC ([Note: stamps]).
+# Messages match on (peer, tag): the exchange's byte over 24 bits of the CRC ([Note: stamps]).
 _EXCHANGE_TAG, _ALL_REDUCE_TAG, _DOUBLING_TAG = 0x6D, 0x6E, 0x70  # never a user's (0: default)
 _P2P_TAG = 0x7032  # "p2": send_recv's, apart from the exchanges' messages and users' tag 0
 _said = lambda algorithm, tag: algorithm << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # noqa: E731
