@@ -1,5 +1,6 @@
-"""Every tutorial (and the tour) runs under torchrun on CPU, at 1, 2, 3 and 4 ranks, and either
-its own assertions hold or it refuses that world size the way minishard.launch.session promises:
+"""Every tutorial (and the tour) runs under torchrun on CPU, at 1, 2, 3 and 4 ranks (the thorough
+profile; otherwise at two of them each, see ``world_sizes``), and either its own assertions
+hold or it refuses that world size the way minishard.launch.session promises:
 one line on rank 0 saying which world sizes it needs and why, exit status 2 on every rank, no
 traceback from any rank.
 
@@ -89,7 +90,22 @@ ELSEWHERE = {(name, n) for name, n in PLOTS.items()} | {
 ELSEWHERE |= {("15_when_it_hangs.py", 3), ("15_when_it_hangs.py", 4)}
 
 
-@pytest.mark.parametrize("name, nproc", [(name, n) for name in TUTORIALS for n in WORLD_SIZES
+def world_sizes(i: int, name: str) -> set[int]:
+    """The thorough profile: 1-4. Otherwise (suite time) each lesson at 3 ranks (padding) and at
+    one more, lesson by lesson in turn 1, 2, 4, and at least once refused (if it refuses any)
+    and once accepted: every world size and every refusal still runs, in several lessons."""
+    if os.environ.get("MINISHARD_HYPOTHESIS_PROFILE") == "thorough":
+        return set(WORLD_SIZES)
+    sizes, refused = {3, (1, 2, 4)[i % 3]}, REFUSED.get(name, set())
+    if refused and not sizes & refused:
+        sizes.add(min(refused))
+    if sizes <= refused:
+        sizes.add(min(set(WORLD_SIZES) - refused))
+    return sizes
+
+
+@pytest.mark.parametrize("name, nproc", [(name, n) for i, name in enumerate(TUTORIALS)
+                                         for n in sorted(world_sizes(i, name))
                                          if (name, n) not in ELSEWHERE])
 def test_tutorial_at_every_world_size(name, nproc):
     proc = torchrun(nproc, f"tutorials/{name}")
