@@ -5,9 +5,9 @@
 Needs a checkout of github.com/karpathy/nanoGPT (its train.py, model.py and configurator.py;
 not copied into this repository). Writes each port into a temporary directory and prints the
 lines it changes from train.py under DDP on CPU (the baseline: train.py with the two lines of
-its ``ddp`` branch that name a CUDA device made CPU, which every CPU run needs, and DDP's
-``device_ids`` dropped). Then runs each at a tiny config (a synthetic 64-symbol dataset, 2
-blocks, 4 micro-batches an iteration, a clip of 0.05 that every iteration's norm exceeds):
+its ``ddp`` branch that name a CUDA device made CPU, which every CPU run needs; DDP's own run
+also drops ``device_ids``). Then runs each at a tiny config (a synthetic 64-symbol dataset, 2
+blocks, 2 micro-batches a rank an iteration, a clip of 0.05 that every iteration's norm exceeds):
 9 iterations from scratch, and a run stopped after the save at iteration 4 then resumed to
 8. Prints each port's largest loss difference from DDP's, iteration by iteration.
 
@@ -121,9 +121,8 @@ def prepare(work, nanogpt, world, fused):
         text = sub(open(model).read(), "use_fused = fused_available and device_type == 'cuda'",
                    "use_fused = True")
         open(model, "w").write(text)
-    steps = 4 * world // 2 if world % 2 == 0 else 2 * world  # micro-batches, divisible by world
-    with open(os.path.join(work, "cfg.py"), "w") as f:
-        f.write(CONFIG + f"gradient_accumulation_steps = {steps}\n")
+    with open(os.path.join(work, "cfg.py"), "w") as f:  # 2 micro-batches a rank an iteration
+        f.write(CONFIG + f"gradient_accumulation_steps = {2 * world}\n")
     os.makedirs(os.path.join(work, "data", "tiny"))
     rng = np.random.default_rng(0)
     for split, n in (("train", 20000), ("val", 4000)):  # a noisy cycle: learnable, not trivial
