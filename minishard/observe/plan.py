@@ -110,7 +110,8 @@ def fmt_decimal(n: float) -> str:
 # * GB = 10^9 bytes (as in the paper); GiB = 2^30.
 # The paper's Figure 1 (7.5B parameters, 64 ranks, mixed-precision Adam): 120 GB, 31.4 GB,
 # 16.6 GB, 1.88 GB per rank for stages 0-3. ``python -m minishard.plan --params 7.5e9 --ranks 64
-# --memory 80GB --mixed-precision`` prints those numbers (tests/test_plan.py checks it).
+# --memory 80GB --mixed-precision`` prints those numbers (tests/test_plan.py checks it, and the
+# paper's Table 1: all 54 cells of 7.5B / 128B / 1T parameters on 1 to 1024 ranks).
 def estimate(params: float, ranks: int, memory: float, optimizer: str = "adam",
              mixed_precision: bool = False, headroom: float = 0.0,
              activations: float = 0.0, replicated: float = 0) -> list[dict]:
