@@ -8,6 +8,10 @@ Equal sizes, so without a stamp rank 0 computes with another unit's parameters a
 wrong loss (then hangs). With the stamp every rank raises ``CollectiveMismatch`` naming both
 sides, before rank 0 reports any loss. The oracle is the message and where it is raised, plus a
 control: the same loop evaluating on EVERY rank runs to the end.
+
+A reduce-scatter's stamp is in its messages' tags (a sum cannot carry one): ranks reducing
+different units of one size (a block frozen on one rank) must wait and time out at that
+reduction, and the reductions that met their own must equal the plain model's gradients.
 """
 import copy
 
