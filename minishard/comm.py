@@ -437,7 +437,8 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n, tag):
                  shard   = part[0] + ... + part[N-1]          (part[r] = its own c_r)
 
     The same (N-1)/N * S bytes per rank as the ring, and a (N-1)/N * S receive buffer."""
-    k, r, said = shard.numel(), dist.get_rank(group), _said(_EXCHANGE_TAG, tag)
+    k, r = shard.numel(), dist.get_rank(group)
+    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # [Note: stamps]
     chunks = full.reshape(n, k)
     recv = torch.empty((n - 1, k), dtype=full.dtype, device=full.device)
     parts = [chunks[j] if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
@@ -461,10 +462,9 @@ def _reduce_scatter_by_exchange(shard, full, op, group, n, tag):
     return works, total
 
 
-# Messages match on (peer, tag): the exchange's byte over 24 bits of the CRC ([Note: stamps]).
-_EXCHANGE_TAG, _ALL_REDUCE_TAG, _DOUBLING_TAG = 0x6D, 0x6E, 0x70  # never a user's (0: default)
+# Messages match on (peer, tag): the exchange's carry its byte over 24 bits of a stamp's CRC.
+_EXCHANGE_TAG, _ALL_REDUCE_TAG, _DOUBLING_TAG = 0x6D, 0x6D74, 0x6D76  # never a user's (0)
 _P2P_TAG = 0x7032  # "p2": send_recv's, apart from the exchanges' messages and users' tag 0
-_said = lambda algorithm, tag: algorithm << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # noqa: E731
 
 
 def _global(group, rank: int) -> int:

@@ -256,8 +256,8 @@ MUTANTS = {
     "reductions_combined_by_size_alone": (
         "the messages of gloo's reduce-scatter carry no stamp: ranks reducing different units "
         "of one size average them",
-        [("minishard/comm.py", "_said = lambda algorithm, tag: algorithm << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # noqa: E731",
-          "_said = lambda algorithm, tag: algorithm << 24  # noqa: E731")],
+        [("minishard/comm.py", "    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # [Note: stamps]",
+          "    said = _EXCHANGE_TAG << 24")],
         ["tests/test_stamps.py::test_reductions_of_different_units_are_never_combined"]),
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "

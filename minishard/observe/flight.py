@@ -69,8 +69,7 @@ def dump_flight_record(dir: str | os.PathLike | None = None, why: str = "on requ
     record = dict(rank=_rank(), world=_armed.get("world", 1),
                   job=os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", ""),
                   pid=os.getpid(), why=why, armed=_armed.get("time"), written=time.time(),
-                  issued=FLIGHT.seq,
-                  collectives=rows, torch=_torch_record())
+                  issued=FLIGHT.seq, collectives=rows, torch=_torch_record())
     path = out / f"rank{record['rank']}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=0))
