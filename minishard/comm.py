@@ -24,15 +24,15 @@ import torch.distributed as dist
 
 from minishard import costs
 from minishard.costs import (ALPHA, BETA, FLIGHT, Entry, Ledger, all_reduce_algorithms,
-                             all_reduce_cost, all_reduce_terms, ledger, pick_all_reduce,
-                             power_of_two, ring_bytes)
+                             all_reduce_cost, all_reduce_terms, group_dim, group_ranks, ledger,
+                             pick_all_reduce, power_of_two, ring_bytes)
 
 __all__ = ["Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
            "broadcast", "group_size", "group_rank", "ring_bytes", "all_reduce_terms",
            "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
            "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "FLIGHT",
            "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp",
-           "stamps_differ", "CollectiveError", "set_timeout"]
+           "SUM_STAMP_NUMEL", "sum_stamp", "stamps_differ", "CollectiveError", "set_timeout"]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -123,10 +123,12 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 # rank's row with a stamp (CRC of the buffers' names, then their first 28 bytes), compared before
 # any value is used. Always on, no extra collective: ranks issuing different gathers of equal size
 # (rank 0 evaluating alone) raise. The ledger leaves stamps out (32 bytes per rank and gather).
-# A sum cannot carry a stamp: on gloo a reduce-scatter's messages carry the CRC of its tag (the
-# buffers' names) in theirs, and match on equal tags only: two reductions are never combined;
-# they wait, and time out, named. So a reduce_scatter's ``tag`` must be equal on every rank.
-STAMP_BYTES = 32
+# A sum keeps a stamp made of bits: the engine's all-reduces end with the CRC's 32 bits b and
+# 1 - b (``sum_stamp``); averaged (or max, min) they come back unchanged only if every rank's
+# agree. A reduce-scatter's chunks have no room: on gloo its messages carry the CRC of its tag in
+# theirs, and match on equal tags only, so two reductions are never combined; they wait, and
+# time out, named. So the ``tag`` of a stamped collective must be equal on every rank.
+STAMP_BYTES, SUM_STAMP_NUMEL = 32, 64
 
 
 def stamp(what: str, itemsize: int) -> bytearray:
@@ -136,10 +138,19 @@ def stamp(what: str, itemsize: int) -> bytearray:
     return bytearray(raw.ljust(-(-STAMP_BYTES // itemsize) * itemsize, b"\0"))
 
 
-def stamps_differ(stamps: torch.Tensor, group, op: str) -> None:
-    """Raise: the rows of ``stamps`` (bytes, one per rank in group order) are not all equal."""
-    said = [bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace") for row in stamps.cpu()]
-    sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in enumerate(said))
+def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """``what``'s stamp for a sum, average, max or min: the bits of its CRC, then 1 minus them."""
+    bits = [zlib.crc32(what.encode()) >> i & 1 for i in range(SUM_STAMP_NUMEL // 2)]
+    return torch.tensor(bits + [1 - b for b in bits], dtype=dtype, device=device)
+
+
+def stamps_differ(stamps, group, op: str) -> None:
+    """Raise: ranks issued different collectives. ``stamps``: a gather's rows of stamp bytes, one
+    a rank, not all equal; or (a str) what this rank's ``sum_stamp`` said, which came back changed."""
+    said = ({dist.get_rank(group): f"{stamps}; another rank: not that"} if isinstance(stamps, str)
+            else dict(enumerate(bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace")
+                                for row in stamps.cpu())))
+    sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in said.items())
     raise _dumped(CollectiveMismatch(
         "minishard: the ranks issued DIFFERENT collectives of the same size, so the numbers "
         f"they exchanged mean nothing (none was used):\n{sides}\nEvery rank must run the same "
@@ -162,19 +173,6 @@ def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
 
 # ------------------------------------------------------------------------------------ groups
 group_size, group_rank = dist.get_world_size, dist.get_rank  # (group=None: the default group)
-
-
-def group_ranks(group=None) -> tuple[int, ...]:
-    """The global ranks of ``group`` (None: the default group), in group order."""
-    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-
-
-def group_dim(group=None) -> str:
-    """The ``DeviceMesh`` dimension ``group`` was made for, or "". torch describes the groups it
-    makes for a mesh as ``mesh_<dim name>``; a dimension spanning every rank reuses the default
-    group, which has no dimension."""
-    desc = getattr(group, "group_desc", "") if group is not None else ""
-    return desc[len("mesh_"):] if desc.startswith("mesh_") else ""
 
 
 # ------------------------------------------------------------------------------------ handles
@@ -258,9 +256,10 @@ def _finish(work, async_op: bool, then=None, tensor=None, dense=None, flown=None
 # -------------------------------------------------------------------------------- collectives
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
-               tag: str = "", algorithm: str = "ring"):
+               tag: str = "", algorithm: str = "ring", stamp: int = 0):
     """In place: ``tensor`` becomes the ``op`` of every rank's (:data:`OPS`: "sum", "avg",
-    "max", "min", "product"); any other op is refused before anything is sent.
+    "max", "min", "product"); any other op is refused before anything is sent. Its last
+    ``stamp`` elements are a :func:`sum_stamp`, left out of the ledger.
 
     ``algorithm``: "ring" (the backend's own), "direct" (:func:`_all_reduce_by_exchange`),
     "doubling" or "auto" (the cheaper under the alpha-beta model, see the module doc). Every
@@ -277,7 +276,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
     dense = tensor.contiguous()
-    flown = _before("all_reduce", dense, dense.numel(), group, n, tag, algorithm)
+    flown = _before("all_reduce", dense, dense.numel() - stamp, group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
         works, total = _all_reduce_by_exchange(dense, op, group, n)
         return _finish(works, async_op, total, tensor, dense, flown=flown)

@@ -45,6 +45,19 @@ import torch
 import torch.distributed as dist
 
 
+def group_ranks(group=None) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in group order."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def group_dim(group=None) -> str:
+    """The ``DeviceMesh`` dimension ``group`` was made for, or "". torch describes the groups it
+    makes for a mesh as ``mesh_<dim name>``; a dimension spanning every rank reuses the default
+    group, which has no dimension."""
+    desc = getattr(group, "group_desc", "") if group is not None else ""
+    return desc[len("mesh_"):] if desc.startswith("mesh_") else ""
+
+
 # --------------------------------------------------------------------------------------- ledger
 @dataclasses.dataclass(frozen=True)
 class Entry:
@@ -97,7 +110,7 @@ class Ledger:
         ranks = None
         if group is not None:
             ranks = frozenset(group) if isinstance(group, (list, tuple, set, frozenset, range)) \
-                else frozenset(dist.get_process_group_ranks(group))
+                else frozenset(group_ranks(group))
         for e in self.entries:
             if ((op is None or e.op == op) and (dim is None or e.dim == dim)
                     and (ranks is None or frozenset(e.ranks) == ranks)):
@@ -198,8 +211,7 @@ class Flight:
         self.seq += 1
         counted = self.groups.get(id(group))
         if counted is None:  # a group's ranks, asked once (a dump may come after it is gone)
-            ranks = (dist.get_process_group_ranks(dist.group.WORLD if group is None else group)
-                     if dist.is_initialized() else [0])
+            ranks = group_ranks(group) if dist.is_initialized() else (0,)
             counted = self.groups[id(group)] = [0, tuple(ranks)]
         counted[0] += 1
         frame = sys._getframe(1)  # the user's line: the first frame not ours, torch's, ...

@@ -259,6 +259,12 @@ MUTANTS = {
         [("minishard/comm.py", "    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # [Note: stamps]",
           "    said = _EXCHANGE_TAG << 24")],
         ["tests/test_stamps.py::test_reductions_of_different_units_are_never_combined"]),
+    "all_reduced_sums_unchecked": (
+        "stage 0's all-reduce carries its stamp but no rank checks it: ranks averaging "
+        "different units of one size deliver the mix",
+        [("minishard/zero/flat.py", "        if not torch.equal(send[-stamp.numel():], stamp):",
+          "        if False:")],
+        ["tests/test_stamps.py::test_all_reduces_of_different_units_raise_on_every_rank"]),
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "
         "torch's raw mesh error, not the way forward",

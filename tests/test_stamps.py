@@ -9,9 +9,11 @@ wrong loss (then hangs). With the stamp every rank raises ``CollectiveMismatch``
 sides, before rank 0 reports any loss. The oracle is the message and where it is raised, plus a
 control: the same loop evaluating on EVERY rank runs to the end.
 
-A reduce-scatter's stamp is in its messages' tags (a sum cannot carry one): ranks reducing
-different units of one size (a block frozen on one rank) must wait and time out at that
-reduction, and the reductions that met their own must equal the plain model's gradients.
+Reductions, when ranks reduce different units of one size (a block frozen on one rank): a
+reduce-scatter's stamp is in its messages' tags, so it must wait and time out at that
+reduction, and the reductions that met their own must equal the plain model's gradients; an
+all-reduce's (stage 0) is bits averaged beside the gradients, so both ranks must raise
+``CollectiveMismatch`` at that reduction, before any gradient is delivered.
 """
 import copy
 
@@ -23,6 +25,7 @@ from torch import nn
 import minishard
 from minishard import comm
 from minishard.testing import RankPool
+from minishard.zero import config
 
 
 class Block(nn.Module):
@@ -83,15 +86,17 @@ def test_a_stamp_is_bytes_of_its_description():
         assert comm.stamp(long + "a", itemsize) != comm.stamp(long + "b", itemsize)
 
 
-def frozen_on_rank_1(stage: int) -> dict:
+def frozen_on_rank_1(stage: int, alone: bool = False) -> dict:
     """Block 1 frozen on rank 1 only: its backward reduces blocks 2 and 0, rank 0's reduces
     2, 1 and 0, all of one size. Every rank has the same input, so a right gradient is the
     plain model's. Returns what each rank's backward raised, and the largest distance of its
     gradients' rows from the plain model's (blocks 0 and 2) if it finished."""
     comm.set_timeout(3)
+    bucket = config.BUCKET_BYTES
     try:
         torch.manual_seed(0)
         plain = nn.Sequential(*[Block() for _ in range(3)])
+        config.BUCKET_BYTES = 1 if alone else bucket  # alone: each unit reduced by itself
         model = minishard.ZeRO(copy.deepcopy(plain), stage=stage, units={Block})
         x = torch.randn(4, 8)
         plain(x).square().mean().backward()
@@ -99,17 +104,34 @@ def frozen_on_rank_1(stage: int) -> dict:
             model.module[1].requires_grad_(False)
         try:
             model(x).square().mean().backward()
-        except comm.CollectiveError as exc:
-            return {"error": str(exc)}
+        except (comm.CollectiveError, comm.CollectiveMismatch) as exc:
+            return {"error": str(exc), "delivered": [p.grad is not None
+                                                    for p in model.parameters()]}
         wrong = 0.0
         for i in (0, 2):
             for p, want in zip(model.module[i].parameters(), plain[i].parameters()):
+                if stage == 0:  # the whole gradient
+                    wrong = max(wrong, (p.grad - want.grad).abs().max().item())
+                    continue
                 chunk = p.grad.__create_chunk_list__()[0]  # this rank's rows: where, how many
                 rows = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
                 wrong = max(wrong, (p.grad.to_local() - want.grad[rows]).abs().max().item())
         return {"error": None, "wrong": wrong}
     finally:
         comm.set_timeout(600)
+        config.BUCKET_BYTES = bucket
+
+
+def test_all_reduces_of_different_units_raise_on_every_rank():
+    """Stage 0, each unit reduced alone: rank 0's all-reduce of block 1 meets rank 1's of
+    block 0. Both raise there, naming their own; no gradient of either block was delivered."""
+    with RankPool(2, timeout=60) as pool:  # its own: the ranks part with reductions unmatched
+        rank0, rank1 = pool.run(frozen_on_rank_1, 0, True)
+    for out, mine in ((rank0, "1"), (rank1, "0")):
+        assert "DIFFERENT collectives" in (out["error"] or ""), out
+        assert f"all_reduce of {mine}/float32; another rank: not that" in out["error"], out
+    for out in (rank0, rank1):  # blocks 0 and 1: nothing (block 2's met its own)
+        assert out["delivered"][:4] == [False] * 4, out
 
 
 @pytest.mark.parametrize("stage", [2, 3])  # each unit's reduction alone (stage 1 buckets them)

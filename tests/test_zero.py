@@ -34,7 +34,7 @@ from hypothesis import assume, example, given, settings, strategies as st
 from torch import nn
 
 import minishard
-from minishard import ZeRO
+from minishard import ZeRO, comm
 
 ATOL, RTOL = 1e-5, 1e-4          # engine vs the single-process oracle (fp32, 3 steps)
 WORLD_SIZES = (1, 2, 3, 4)       # 3 (and 4 with odd widths) exercise the padding
@@ -439,6 +439,8 @@ def zero_formula(bufs, stage: int, n: int, r: int) -> dict[str, int]:
             params += 4 * k * n if stage < 3 else 4 * k
             grads += 4 * k if rg else 0
             optim += 8 * real if rg else 0
+    if stage == 0 and any(rg for _, rg, _ in bufs):  # views of the all-reduced bucket (one,
+        grads += comm.SUM_STAMP_NUMEL * 4            # these models are small): and its stamp
     return {"params": params, "grads": grads, "optimizer": optim}
 
 

@@ -421,7 +421,8 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
     the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
-    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients. Otherwise a reduce-scatter,
+    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients and a stamp ([Note:
+    stamps] in comm.py), checked before any is delivered. Otherwise a reduce-scatter,
     after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
     the buffers must sit side by side in the buffer we send (rank-major, :func:`copy_in`)::
 
@@ -433,9 +434,8 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     grads = [f.take_grad(reduce_dtype) for f in flats]
     tag = "+".join(f.name for f in flats)
     if first.mode is FlatMode.REPLICATED:
-        send = grads[0] if len(grads) == 1 else torch.cat(grads)
-        handle = comm.all_reduce(send, "avg", first.group, async_op=True, tag=tag)
-        out, sizes = send, [f.padded_numel for f in flats]
+        out, handle = _all_reduce_stamped(grads, first.group, tag)
+        sizes = [f.padded_numel for f in flats]
     else:
         if len(flats) == 1 and first.same_layout:
             send = grads[0]
@@ -450,8 +450,24 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     def deliver() -> None:
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
-            comm.all_reduce(out, "avg", first.replicate_group, tag=f"{tag} (replicas)")
+            averaged, across = _all_reduce_stamped([out], first.replicate_group, f"{tag} (replicas)")
+            across.wait()
+            out.copy_(averaged)  # the gradients keep out's storage: k elements, no stamp
         for flat, piece in zip(flats, torch.split(out, sizes)):
             flat.add_shard_grad(piece)
 
     return comm.Handle(then=deliver)
+
+
+def _all_reduce_stamped(pieces: list[torch.Tensor], group, tag: str):
+    """Average ``pieces`` joined and a stamp over ``group``: (their average, a handle whose wait
+    raises on every rank if the stamp came back changed: ranks averaging different buffers)."""
+    stamp = comm.sum_stamp(tag, pieces[0].dtype, pieces[0].device)
+    send = torch.cat(pieces + [stamp])
+    handle = comm.all_reduce(send, "avg", group, async_op=True, tag=tag, stamp=stamp.numel())
+
+    def check() -> None:
+        handle.wait()
+        if not torch.equal(send[-stamp.numel():], stamp):
+            comm.stamps_differ(tag, group, "all_reduce")
+    return send[:-stamp.numel()], comm.Handle(then=check)

@@ -157,7 +157,8 @@ def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
 #                           replicated parameters' (``replicate=``), Psi_r
 #     reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out),
 #                           + Psi_r (the replicated ones' all-reduced copy);
-#                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
+#                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy;
+#                           each all-reduce's stamp (comm.SUM_STAMP_NUMEL elements)
 #     shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0 and
 #                           replicated buffers: views of the all-reduced copy, or a cast of them)
 #     kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
@@ -198,11 +199,13 @@ def step_transients(model) -> dict[str, int]:
                                       + (1 + prefetch) * largest_gather)
         out["gather staging"] = largest_gather if world > 1 else 0
     out["full gradients"] = psi if keeps_full_grads else bucket_bytes + replicated_grads
+    stamps = sum(comm.SUM_STAMP_NUMEL * (reduce_dtype or f.param_dtype).itemsize
+                 for f in trainable if f.mode is FlatMode.REPLICATED)
     if limits_reductions:
         out["reductions in flight"] = (MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
-                                       + replicated_grads)
+                                       + replicated_grads + stamps)
     else:
-        out["reductions in flight"] = (2 if sharded else 1) * psi
+        out["reductions in flight"] = (2 if sharded else 1) * psi + stamps
     out["shard gradients"] = sum(f.shard_numel * f.dtype.itemsize for f in trainable
                                  if sharded or f.dtype != (reduce_dtype or f.param_dtype))
     collectives = [out["reductions in flight"] // MAX_REDUCTIONS_IN_FLIGHT
