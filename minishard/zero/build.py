@@ -36,7 +36,8 @@ from minishard.zero.flat import FlatBuffer, FlatMode
 from minishard.zero.meters import WrapMeter, storage_bytes
 from minishard.zero.unit import Place, Unit, is_inside
 
-__all__ = ["unit_predicate", "replicated_predicate", "build_units", "sync_initial_state"]
+__all__ = ["unit_predicate", "replicated_predicate", "build_units", "sync_initial_state",
+           "owned_params", "flat_groups", "flat_mode_of"]
 
 
 def unit_predicate(units) -> Callable[[nn.Module], bool]:
@@ -97,15 +98,10 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
         sync_initial_state(root, groups.every)
     meter = meter or WrapMeter()
     meter.hold(storage_bytes(list(root.parameters()) + list(root.buffers())))
-    # Every path to every module (a module reachable by two paths appears twice).
-    paths = list(root.named_modules(remove_duplicate=False))
-    names, unit_paths = _find_units(root, paths, unit_predicate(units))
-    places = _places(paths)
-    owner = _owners(places, unit_paths)
+    owned, places = owned_params(root, units)
     built = []
-    for uname in names:  # registration order, root first
+    for uname, mine in owned:  # registration order, root first
         unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
-        mine = [p for p in places if owner[p] == uname]
         _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, is_replicated,
                    deferred, meter)
         built.append(unit)
@@ -116,6 +112,17 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
         for unit in built:
             _adopt(unit, meter)
     return built
+
+
+def owned_params(root: nn.Module, units) -> tuple[list[tuple[str, list]], dict]:
+    """([(unit name, the parameters it owns)] in registration order, root "" first; every
+    place each parameter appears). Steps 1-3 of the module docstring; observe/predict.py too."""
+    # Every path to every module (a module reachable by two paths appears twice).
+    paths = list(root.named_modules(remove_duplicate=False))
+    names, unit_paths = _find_units(root, paths, unit_predicate(units))
+    places = _places(paths)
+    owner = _owners(places, unit_paths)
+    return [(uname, [p for p in places if owner[p] == uname]) for uname in names], places
 
 
 def _find_units(root, paths, is_unit) -> tuple[list[str], dict[str, str]]:
@@ -174,16 +181,8 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
     batch norm takes a half input with fp32 weights and fp32 running statistics, not half
     weights with fp32 statistics. A buffer kept whole (replicated) at stages 1-3 is stage 0's:
     mode REPLICATED over every rank of the engine, its user parameters ``Replicate()`` DTensors."""
-    buckets: dict[tuple, list[nn.Parameter]] = {}
-    for p in params:  # deferred init puts every parameter on one device, real ones too
-        device = deferred.device if deferred else p.device
-        batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
-                         for place in places[p])
-        compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
-        replicated = (flat_mode is not FlatMode.REPLICATED and is_replicated is not None
-                      and is_replicated(p, places[p]))
-        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device, compute, replicated),
-                           []).append(p)
+    buckets = flat_groups(params, places, flat_mode, param_dtype, group_of, is_replicated,
+                          deferred.device if deferred else None)
     devices = {key[3] for key in buckets}
     if len(devices) > 1:
         raise ValueError(
@@ -196,11 +195,10 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
                f"{f'/group{pg}' if pg else ''}"
                f"{'/batchnorm' if dtype.is_floating_point and compute != param_dtype else ''}"
                f"{'/replicated' if replicated else ''}")
-        cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
-        mode = FlatMode.REPLICATED if replicated else flat_mode
         flat = FlatBuffer(layout, groups.every if replicated else groups.shard,
-                          mode=mode.under_cast(cast), param_dtype=compute, name=tag,
+                          mode=flat_mode_of(flat_mode, dtype, compute, replicated),
+                          param_dtype=compute, name=tag,
                           replicate_group=None if replicated else groups.replicate,
                           device=deferred and deferred.device,
                           spec=None if flat_mode is FlatMode.REPLICATED else Spec(
@@ -211,6 +209,28 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
         if deferred and not flat.is_gathered:  # flat.py allocated full and freed it at once
             meter.hold(flat.full_bytes)
             meter.drop(flat.full_bytes)
+
+
+def flat_groups(params, places, flat_mode: FlatMode, param_dtype, group_of, is_replicated,
+                device=None) -> dict[tuple, list[nn.Parameter]]:
+    """``params`` by the flat buffer each goes to: (dtype, requires_grad, param group, device,
+    compute dtype, kept whole) -> parameters, in order (``_add_flats``' rules)."""
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:  # deferred init puts every parameter on one device, real ones too
+        batch_norm = any(isinstance(place.module, nn.modules.batchnorm._BatchNorm)
+                         for place in places[p])
+        compute = None if batch_norm or not p.dtype.is_floating_point else param_dtype
+        replicated = (flat_mode is not FlatMode.REPLICATED and is_replicated is not None
+                      and is_replicated(p, places[p]))
+        buckets.setdefault((p.dtype, p.requires_grad, group_of(p), device or p.device, compute,
+                            replicated), []).append(p)
+    return buckets
+
+
+def flat_mode_of(flat_mode: FlatMode, dtype, compute, replicated: bool) -> FlatMode:
+    """The mode of a flat buffer of ``dtype`` computed in ``compute`` (None: its own)."""
+    cast = compute is not None and compute != dtype  # mixed precision: see FlatMode
+    return (FlatMode.REPLICATED if replicated else flat_mode).under_cast(cast)
 
 
 def _adopt(unit: Unit, meter: WrapMeter) -> None:
