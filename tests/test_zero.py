@@ -439,9 +439,9 @@ def zero_formula(bufs, stage: int, n: int, r: int) -> dict[str, int]:
             params += 4 * k * n if stage < 3 else 4 * k
             grads += 4 * k if rg else 0
             optim += 8 * real if rg else 0
-    if stage == 0 and any(rg for _, rg, _ in bufs):  # views of the all-reduced bucket (one,
-        grads += comm.SUM_STAMP_NUMEL * 4            # these models are small): and its stamp
-    return {"params": params, "grads": grads, "optimizer": optim}
+    # stage 0's buffers and their gradients (all-reduced: views of it) end with a stamp's room
+    stamps = 4 * comm.SUM_STAMP_NUMEL * sum(1 + rg for _, rg, _ in bufs) if stage == 0 else 0
+    return {"params": params, "grads": grads, "optimizer": optim, "stamps": stamps}
 
 
 @given(spec=specs(), stage=st.sampled_from(STAGES), world=st.sampled_from(WORLD_SIZES),

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -148,6 +149,9 @@ class FlatBuffer(Layout):
         super().__init__([p.shape for p in params], self.world if sharded else 1,
                          self.rank if sharded else 0)
         first = params[0]
+        # mode REPLICATED: full (so its gradient) ends with room for a stamp ([Note: stamps])
+        self.tail = comm.SUM_STAMP_NUMEL if mode is FlatMode.REPLICATED else 0
+        self.stamped = None  # a weakref to the reduced buffer its .grads view (and its stamp)
         self.dtype = first.dtype                                  # the master (shard) dtype
         self.param_dtype = param_dtype or first.dtype             # what the module computes in
         self.requires_grad = first.requires_grad
@@ -172,7 +176,7 @@ class FlatBuffer(Layout):
             values.untyped_storage().resize_(0)  # allocated and freed at once, never touched
         else:
             with torch.no_grad():
-                values = torch.zeros(self.padded_numel, dtype=self.dtype,
+                values = torch.zeros(self.padded_numel + self.tail, dtype=self.dtype,
                                      device=device if deferred else first.device)
                 for j, p in enumerate([] if deferred else params):
                     self.param_in(values, j).copy_(p.detach().view(self.shapes[j]))
@@ -184,7 +188,7 @@ class FlatBuffer(Layout):
         elif cast and mode is FlatMode.REPLICATED:  # mixed precision: fp32 master, cast full
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
-        self.full_bytes = self.padded_numel * values.element_size()  # full's storage, gathered
+        self.full_bytes = values.numel() * values.element_size()  # full's storage, gathered
         self.stamp = comm.stamp(name, values.element_size())  # ends each row of its gathers
         self.current = False  # full holds the shards as they are now (needs_gather)
         # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
@@ -250,6 +254,7 @@ class FlatBuffer(Layout):
         into [p1, pad1, p2, ...], whose backward fills ``full.grad`` in one pass (a slice each
         would build a zero full-size gradient per parameter)."""
         sizes = [size for n, w in zip(self.numels, self.widths) for size in (n, self.chunks * w - n)]
+        sizes += [self.tail] if self.tail else []  # (after the last: [::2] picks no parameter)
         out = []
         for j, (piece, shape) in enumerate(zip(torch.split(self.full, sizes)[::2], self.shapes)):
             frozen = self.params and not self.params[j].requires_grad
@@ -311,7 +316,7 @@ class FlatBuffer(Layout):
         collective."""
         grad = self.full.grad
         if grad is None:
-            grad = torch.zeros(self.padded_numel, dtype=self.param_dtype, device=self.full.device)
+            grad = torch.zeros(self.full.numel(), dtype=self.param_dtype, device=self.full.device)
         self.full.grad = None
         return grad if dtype is None or grad.dtype == dtype else grad.to(dtype)
 
@@ -326,6 +331,8 @@ class FlatBuffer(Layout):
             g = g.to(self.dtype)
             if p.grad is None:
                 p.grad = self.as_user(j, g)
+                if self.tail and g.data_ptr() == piece[self.offsets[j]:].data_ptr():  # a view:
+                    self.stamped = weakref.ref(piece if piece._base is None else piece._base)
             else:
                 local(p.grad).add_(g)
 
@@ -421,8 +428,9 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
     the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
-    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients and a stamp ([Note:
-    stamps] in comm.py), checked before any is delivered. Otherwise a reduce-scatter,
+    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients, each ending with its
+    buffer's stamp ([Note: stamps] in comm.py), all checked before any is delivered (the
+    stamps' room comes with ``full``, so one buffer is reduced in place). Otherwise a reduce-scatter,
     after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
     the buffers must sit side by side in the buffer we send (rank-major, :func:`copy_in`)::
 
@@ -434,8 +442,12 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     grads = [f.take_grad(reduce_dtype) for f in flats]
     tag = "+".join(f.name for f in flats)
     if first.mode is FlatMode.REPLICATED:
-        out, handle = _all_reduce_stamped(grads, first.group, tag)
-        sizes = [f.padded_numel for f in flats]
+        for flat, grad in zip(flats, grads):
+            grad[flat.padded_numel:] = comm.sum_stamp(flat.name, grad.dtype, grad.device)
+        out = grads[0] if len(grads) == 1 else torch.cat(grads)
+        handle = comm.all_reduce(out, "avg", first.group, async_op=True, tag=tag,
+                                 stamp=len(flats) * comm.SUM_STAMP_NUMEL)
+        sizes = [f.full.numel() for f in flats]
     else:
         if len(flats) == 1 and first.same_layout:
             send = grads[0]
@@ -453,7 +465,12 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
             averaged, across = _all_reduce_stamped([out], first.replicate_group, f"{tag} (replicas)")
             across.wait()
             out.copy_(averaged)  # the gradients keep out's storage: k elements, no stamp
-        for flat, piece in zip(flats, torch.split(out, sizes)):
+        pieces = torch.split(out, sizes)
+        for flat, piece in zip(flats, pieces):  # every stamp checked before any gradient is used
+            if flat.tail and not torch.equal(piece[flat.padded_numel:], comm.sum_stamp(
+                    flat.name, piece.dtype, piece.device)):
+                comm.stamps_differ(flat.name, flat.group, "all_reduce")
+        for flat, piece in zip(flats, pieces):
             flat.add_shard_grad(piece)
 
     return comm.Handle(then=deliver)

@@ -26,7 +26,7 @@ from minishard.zero.params import local
 from minishard.zero.flat import FlatMode
 from minishard.zero.schedule import MAX_GATHERS_IN_FLIGHT, MAX_REDUCTIONS_IN_FLIGHT
 
-__all__ = ["Meters", "WrapMeter", "memory_report", "step_transients"]
+__all__ = ["Meters", "WrapMeter", "memory_report", "step_transients", "transients"]
 
 
 class Meters:
@@ -105,20 +105,28 @@ def storage_bytes(tensors) -> int:
 def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
                   transients: dict[str, int] | None = None, measured=None) -> dict:
     """``model.memory_report(optimizer)``: bytes held now, counted by storage: ``params``,
-    ``grads``, ``optimizer`` (its state for the user parameters); peaks of the last step:
+    ``grads``, ``optimizer`` (its state for the user parameters), ``stamps`` (the room of the
+    all-reduced buffers' stamps, comm.py's [Note: stamps], in the first two); peaks of the last step:
     ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at once
     in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`). With ``measured`` (an
     :class:`~minishard.observe.allocations.Allocations` that watched a training step): its
     ``measured_step_peak`` beside ``formula_step_peak``, the sum of ``transients`` (the
     buffers :func:`step_transients` names; activations are the module's and not in it)."""
-    params = 0
+    params = held_stamps = 0
     grads: dict[int, int] = {}  # by storage: the grads of one reduced piece share one
+    grad_stamps: dict[tuple, int] = {}  # (storage, buffer): the room of its stamp in it
     for unit in units:
         for f in unit.flats:
             params += f.held_bytes()
             for g in [f.full.grad] + [local(p.grad) for p in f.params]:
                 if g is not None:
                     grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
+            if not f.tail:
+                continue  # else: the room for its stamp (flat.py) is neither params nor grads
+            held_stamps += f.tail * sum(t.element_size() for t in (f.full, f.shard) if t is not None)
+            for g in (f.full.grad, f.stamped() if f.stamped is not None else None):
+                if g is not None and g.untyped_storage().data_ptr() in grads:
+                    grad_stamps[g.untyped_storage().data_ptr(), id(f)] = f.tail * g.element_size()
     opt = 0
     if optimizer is not None:
         mine = {id(p) for unit in units for p in unit.shards()}
@@ -126,7 +134,9 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
             if id(p) in mine:
                 opt += sum(local(v).numel() * v.element_size() for v in state.values()
                            if isinstance(v, torch.Tensor) and v.dim() > 0)
-    report = {"params": params, "grads": sum(grads.values()), "optimizer": opt,
+    report = {"params": params - held_stamps,
+              "grads": sum(grads.values()) - sum(grad_stamps.values()), "optimizer": opt,
+              "stamps": held_stamps + sum(grad_stamps.values()),
               "peak_gathered_params": meters.peak_gathered_bytes,
               "peak_full_grads": meters.peak_full_grad_bytes,
               "peak_wrapping": wrap_meter.peak}
@@ -137,8 +147,9 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
 
 
 def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
-    """A flat buffer's full gradient, padded, in ``dtype`` (None: the compute dtype)."""
-    return flat.padded_numel * (dtype or flat.param_dtype).itemsize
+    """A flat buffer's full gradient, padded (and its stamp's room), in ``dtype`` (None: the
+    compute dtype)."""
+    return (flat.padded_numel + flat.tail) * (dtype or flat.param_dtype).itemsize
 
 
 # [Note: a step's memory] The most bytes one training step (forward and backward; the
@@ -157,8 +168,8 @@ def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
 #                           replicated parameters' (``replicate=``), Psi_r
 #     reductions in flight  stages 2-3: 2 x 2 Ur (the N x k send, (N-1) x k received, k out),
 #                           + Psi_r (the replicated ones' all-reduced copy);
-#                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy;
-#                           each all-reduce's stamp (comm.SUM_STAMP_NUMEL elements)
+#                           stage 1: every bucket at once, 2 Psi; stage 0: the all-reduced copy
+#                           (a gradient all-reduced ends with its stamp's room: in U and Psi)
 #     shard gradients       what ``.grad`` keeps: k a buffer in the master dtype (stage 0 and
 #                           replicated buffers: views of the all-reduced copy, or a cast of them)
 #     kept by the backend   finished collectives whose buffers gloo's worker threads still hold:
@@ -169,13 +180,21 @@ def _grad_bytes(flat, dtype: torch.dtype | None) -> int:
 # configuration against it with :class:`~minishard.observe.allocations.Allocations`.
 def step_transients(model) -> dict[str, int]:
     """[Note: a step's memory], buffer by buffer, for ZeRO engine ``model``."""
-    units, root, policy = model.units, model.module, model.policy
-    world, prefetch, bucket_bytes = comm.group_size(model.group), model.prefetch, model.bucket_bytes
-    reduce_dtype = model.mp.reduce_dtype
+    return transients([(u.module is model.module, u.flats) for u in model.units], model.policy,
+                      world=comm.group_size(model.group), prefetch=model.prefetch,
+                      bucket_bytes=model.bucket_bytes, reduce_dtype=model.mp.reduce_dtype,
+                      find_unused=model.find_unused)
+
+
+def transients(units, policy, *, world: int, prefetch: bool, bucket_bytes: int,
+               reduce_dtype: torch.dtype | None, find_unused: bool) -> dict[str, int]:
+    """[Note: a step's memory] from sizes alone. ``units``: [(is it the root, its flat buffers)];
+    a buffer is a FlatBuffer or observe/predict.py's plan of one (its Layout, ``mode``,
+    ``dtype``, ``param_dtype``, ``requires_grad``, ``full_bytes``)."""
     stage_frees_params = policy.reshard_after_forward
-    keeps_full_grads = not policy.free_grads_early or model.find_unused
+    keeps_full_grads = not policy.free_grads_early or find_unused
     limits_reductions = policy.free_grads_early
-    flats = [f for u in units for f in u.flats]
+    flats = [f for _, fs in units for f in fs]
     trainable = [f for f in flats if f.requires_grad]
     if not trainable:
         return {}
@@ -184,28 +203,24 @@ def step_transients(model) -> dict[str, int]:
     # for config.BUCKET_BYTES of them or the end of backward (schedule.py)
     replicated_grads = sum(_grad_bytes(f, reduce_dtype) for f in trainable
                            if sharded and f.mode is FlatMode.REPLICATED)
-    unit_full = [sum(f.full_bytes for f in u.flats) for u in units]
-    grads = [sum(_grad_bytes(f, None) for f in u.flats if f.requires_grad) for u in units]
-    reduced = [sum(_grad_bytes(f, reduce_dtype) for f in u.flats if f.requires_grad)
-               for u in units]
+    unit_full = [sum(f.full_bytes for f in fs) for _, fs in units]
+    grads = [sum(_grad_bytes(f, None) for f in fs if f.requires_grad) for _, fs in units]
+    reduced = [sum(_grad_bytes(f, reduce_dtype) for f in fs if f.requires_grad) for _, fs in units]
     psi = sum(reduced)
     cast = reduce_dtype is not None and any(f.param_dtype != reduce_dtype for f in trainable)
     out = {"autograd gradients": 2 * max(grads) + (max(reduced) if cast else 0)}
     if stage_frees_params:
-        largest_gather = max([b for u, b in zip(units, unit_full) if u.module is not root]
+        largest_gather = max([b for (root, _), b in zip(units, unit_full) if not root]
                              + [bucket_bytes])
-        out["gathered parameters"] = (sum(b for u, b in zip(units, unit_full)
-                                          if u.module is root)
+        out["gathered parameters"] = (sum(b for (root, _), b in zip(units, unit_full) if root)
                                       + (1 + prefetch) * largest_gather)
         out["gather staging"] = largest_gather if world > 1 else 0
     out["full gradients"] = psi if keeps_full_grads else bucket_bytes + replicated_grads
-    stamps = sum(comm.SUM_STAMP_NUMEL * (reduce_dtype or f.param_dtype).itemsize
-                 for f in trainable if f.mode is FlatMode.REPLICATED)
     if limits_reductions:
         out["reductions in flight"] = (MAX_REDUCTIONS_IN_FLIGHT * 2 * (max(reduced) + bucket_bytes)
-                                       + replicated_grads + stamps)
+                                       + replicated_grads)
     else:
-        out["reductions in flight"] = (2 if sharded else 1) * psi + stamps
+        out["reductions in flight"] = (2 if sharded else 1) * psi
     out["shard gradients"] = sum(f.shard_numel * f.dtype.itemsize for f in trainable
                                  if sharded or f.dtype != (reduce_dtype or f.param_dtype))
     collectives = [out["reductions in flight"] // MAX_REDUCTIONS_IN_FLIGHT
