@@ -451,16 +451,19 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
             f"{fmt_calls(calls)}")
     held = {k: v[1] for k, v in list(ours.items()) + list(stocks.items())}
     full_minus_shard = 4 * sizes["dim0"] * (world - 1) // world
-    # Between steps: DDP keeps its gradient bucket, a full gradient (stage 0 frees its own);
+    # Between steps: DDP keeps its gradient bucket, a full gradient (stage 0 frees its own,
+    # and its buffers end with room for a stamp: 64 elements a block, comm.py's [Note: stamps]);
     # the stock stage-2 equivalents reshard after backward (they then hold what their stage 3
     # holds), where minishard's stage 2 keeps the full parameters.
-    assert held["DDP"] - held[0] == 4 * sizes["plain"], held
+    stamps = 4 * comm.SUM_STAMP_NUMEL * BLOCKS
+    assert held["DDP"] - held[0] == 4 * sizes["plain"] - stamps, held
     assert held["FSDP1 SHARD_GRAD_OP"] == held["FSDP1 FULL_SHARD"], held
     assert held["FSDP2 reshard_after_forward=False"] == held["FSDP2 fully_shard"], held
     assert held[2] - held[3] == full_minus_shard, (held, full_minus_shard)
     say(textwrap.fill(
         "Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
-        f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ); DDP + ZeroRedundancyOptimizer "
+        f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ, less the {stamps:,} B of "
+        "stage 0's stamps); DDP + ZeroRedundancyOptimizer "
         "sends 3 passes where stage 1 sends 2; FSDP1 SHARD_GRAD_OP sends the passes stage 2 sends, "
         "FSDP2 with reshard_after_forward=False a third pass more (it reshards after the no_sync "
         "backward too, and gathers again); between steps both hold what their FULL_SHARD "
