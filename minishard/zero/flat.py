@@ -149,14 +149,11 @@ class FlatBuffer(Layout):
         super().__init__([p.shape for p in params], self.world if sharded else 1,
                          self.rank if sharded else 0)
         first = params[0]
-        # mode REPLICATED: full (so its gradient) ends with room for a stamp ([Note: stamps])
-        self.tail = comm.SUM_STAMP_NUMEL if mode is FlatMode.REPLICATED else 0
-        self.stamped = None  # a weakref to the reduced buffer its .grads view (and its stamp)
-        self.dtype = first.dtype                                  # the master (shard) dtype
+        self.tail = 0 if sharded else comm.SUM_STAMP_NUMEL  # full ends with a stamp's room,
+        self.stamped = None  # and a weakref to the reduced buffer its .grads view: reduce_grads
+        self.dtype, self.requires_grad = first.dtype, first.requires_grad  # dtype: the master's
         self.param_dtype = param_dtype or first.dtype             # what the module computes in
-        self.requires_grad = first.requires_grad
-        self.params: list[nn.Parameter] = []  # the user parameters: adopt()
-        self.locals: list[torch.Tensor] = []  # their local tensors: this rank's rows, plain
+        self.params, self.locals = [], []  # the user parameters (adopt), their local tensors
         self.pending: comm.Handle | None = None  # a gather into full not landed yet
 
         # Parameters on the meta device have no values yet (deferred init): what this rank
@@ -253,8 +250,8 @@ class FlatBuffer(Layout):
         """The parameters as views of ``full`` (detached if frozen or ``detached``): ONE split
         into [p1, pad1, p2, ...], whose backward fills ``full.grad`` in one pass (a slice each
         would build a zero full-size gradient per parameter)."""
-        sizes = [size for n, w in zip(self.numels, self.widths) for size in (n, self.chunks * w - n)]
-        sizes += [self.tail] if self.tail else []  # (after the last: [::2] picks no parameter)
+        sizes = [s for n, w in zip(self.numels, self.widths) for s in (n, self.chunks * w - n)]
+        sizes.append(self.tail)  # the stamp's room, if any: [::2] picks it, zip drops it
         out = []
         for j, (piece, shape) in enumerate(zip(torch.split(self.full, sizes)[::2], self.shapes)):
             frozen = self.params and not self.params[j].requires_grad
@@ -331,8 +328,6 @@ class FlatBuffer(Layout):
             g = g.to(self.dtype)
             if p.grad is None:
                 p.grad = self.as_user(j, g)
-                if self.tail and g.data_ptr() == piece[self.offsets[j]:].data_ptr():  # a view:
-                    self.stamped = weakref.ref(piece if piece._base is None else piece._base)
             else:
                 local(p.grad).add_(g)
 
@@ -429,9 +424,8 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
     Mode REPLICATED (DDP): an all-reduce of the concatenated gradients, each ending with its
-    buffer's stamp ([Note: stamps] in comm.py), all checked before any is delivered (the
-    stamps' room comes with ``full``, so one buffer is reduced in place). Otherwise a reduce-scatter,
-    after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
+    buffer's stamp (comm.py's [Note: stamps]), checked before any is used. Otherwise a
+    reduce-scatter, after which each rank keeps its k elements of every buffer. For that, each rank's pieces of
     the buffers must sit side by side in the buffer we send (rank-major, :func:`copy_in`)::
 
         flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
@@ -442,11 +436,7 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     grads = [f.take_grad(reduce_dtype) for f in flats]
     tag = "+".join(f.name for f in flats)
     if first.mode is FlatMode.REPLICATED:
-        for flat, grad in zip(flats, grads):
-            grad[flat.padded_numel:] = comm.sum_stamp(flat.name, grad.dtype, grad.device)
-        out = grads[0] if len(grads) == 1 else torch.cat(grads)
-        handle = comm.all_reduce(out, "avg", first.group, async_op=True, tag=tag,
-                                 stamp=len(flats) * comm.SUM_STAMP_NUMEL)
+        out, handle = _all_reduce_stamped(flats, grads, tag)
         sizes = [f.full.numel() for f in flats]
     else:
         if len(flats) == 1 and first.same_layout:
@@ -462,29 +452,40 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     def deliver() -> None:
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
-            averaged, across = _all_reduce_stamped([out], first.replicate_group, f"{tag} (replicas)")
-            across.wait()
-            out.copy_(averaged)  # the gradients keep out's storage: k elements, no stamp
-        pieces = torch.split(out, sizes)
-        for flat, piece in zip(flats, pieces):  # every stamp checked before any gradient is used
-            if flat.tail and not torch.equal(piece[flat.padded_numel:], comm.sum_stamp(
-                    flat.name, piece.dtype, piece.device)):
-                comm.stamps_differ(flat.name, flat.group, "all_reduce")
-        for flat, piece in zip(flats, pieces):
+            _average_across(out, first.replicate_group, f"{tag} (replicas)")
+        for flat, piece in zip(flats, torch.split(out, sizes)):
             flat.add_shard_grad(piece)
 
     return comm.Handle(then=deliver)
 
 
-def _all_reduce_stamped(pieces: list[torch.Tensor], group, tag: str):
-    """Average ``pieces`` joined and a stamp over ``group``: (their average, a handle whose wait
-    raises on every rank if the stamp came back changed: ranks averaging different buffers)."""
-    stamp = comm.sum_stamp(tag, pieces[0].dtype, pieces[0].device)
-    send = torch.cat(pieces + [stamp])
-    handle = comm.all_reduce(send, "avg", group, async_op=True, tag=tag, stamp=stamp.numel())
+def _all_reduce_stamped(flats: list[FlatBuffer], grads: list[torch.Tensor], tag: str):
+    """Mode REPLICATED: (the gradients joined, each ending with its buffer's stamp, and a handle
+    to their average). Waiting raises on every rank unless each stamp came back as it went, and
+    remembers ``out`` where its views become the ``.grad`` (memory_report counts their stamps)."""
+    for flat, grad in zip(flats, grads):
+        grad[flat.padded_numel:] = comm.sum_stamp(flat.name, grad.dtype, grad.device)
+    out = grads[0] if len(grads) == 1 else torch.cat(grads)
+    handle = comm.all_reduce(out, "avg", flats[0].group, async_op=True, tag=tag,
+                             stamp=len(flats) * comm.SUM_STAMP_NUMEL)
 
-    def check() -> None:
+    def check() -> None:  # every stamp, before any gradient is used
         handle.wait()
-        if not torch.equal(send[-stamp.numel():], stamp):
-            comm.stamps_differ(tag, group, "all_reduce")
-    return send[:-stamp.numel()], comm.Handle(then=check)
+        for flat, piece in zip(flats, torch.split(out, [f.full.numel() for f in flats])):
+            if not torch.equal(piece[flat.padded_numel:],
+                               comm.sum_stamp(flat.name, piece.dtype, piece.device)):
+                comm.stamps_differ(flat.name, flat.group, "all_reduce")
+            if out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
+                flat.stamped = weakref.ref(out)
+    return out, comm.Handle(then=check)
+
+
+def _average_across(out: torch.Tensor, group, tag: str) -> None:
+    """Hybrid sharding: ``out`` (this rank's reduced pieces) averaged over its replicas, beside
+    a stamp checked before ``out`` changes (a copy: out's own storage keeps no stamp's room)."""
+    stamp = comm.sum_stamp(tag, out.dtype, out.device)
+    send = torch.cat([out, stamp])
+    comm.all_reduce(send, "avg", group, tag=tag, stamp=stamp.numel())
+    if not torch.equal(send[out.numel():], stamp):
+        comm.stamps_differ(tag, group, "all_reduce")
+    out.copy_(send[:out.numel()])
