@@ -262,9 +262,14 @@ MUTANTS = {
     "all_reduced_sums_unchecked": (
         "stage 0's all-reduce carries its stamp but no rank checks it: ranks averaging "
         "different units of one size deliver the mix",
-        [("minishard/zero/flat.py", "        if not torch.equal(send[-stamp.numel():], stamp):",
-          "        if False:")],
+        [("minishard/zero/flat.py", "            if not torch.equal(piece[flat.padded_numel:],",
+          "            if False and torch.equal(piece[flat.padded_numel:],")],
         ["tests/test_stamps.py::test_all_reduces_of_different_units_raise_on_every_rank"]),
+    "plan_held_at_rest_as_if_gathered": (
+        "the planner counts stage 3's full buffers as held at rest (the engine frees them)",
+        [("minishard/observe/predict.py", "        return shard + (0 if reshard and self.mode is "
+          "FlatMode.OWN else self.full_bytes)", "        return shard + self.full_bytes")],
+        ["tests/test_predict.py::test_the_plan_is_the_engine_buffer_by_buffer"]),
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "
         "torch's raw mesh error, not the way forward",
@@ -322,14 +327,14 @@ MUTANTS = {
         "the step formula counts every full gradient at stages 2-3 (an overstatement the "
         "measured bound cannot see)",
         [("minishard/zero/meters.py", "keeps_full_grads = not policy.free_grads_early or "
-          "model.find_unused", "keeps_full_grads = True")],
+          "find_unused", "keeps_full_grads = True")],
         ["tests/test_memory_wall.py::"
          "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
     "step_formula_forgets_find_unused": (
         "the step formula forgets that find_unused_parameters keeps every full gradient at "
         "stage 2 until the end of backward",
         [("minishard/zero/meters.py", "keeps_full_grads = not policy.free_grads_early or "
-          "model.find_unused", "keeps_full_grads = not policy.free_grads_early")],
+          "find_unused", "keeps_full_grads = not policy.free_grads_early")],
         ["tests/test_memory_wall.py::"
          "test_the_step_formula_counts_the_full_gradients_each_stage_keeps"]),
     "open_forward_never_ended": (

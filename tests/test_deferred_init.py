@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
+import minishard
 from minishard import ZeRO
 
 ATOL, RTOL = 1e-5, 1e-4
@@ -426,11 +427,13 @@ def test_wrapping_peak_is_shards_plus_one_unit(pools, dims, stage, world):
     padding), 1-2 N*k_u (the full buffer), 3 k_u (the shard). A meta build lays every kept
     buffer out first (stage 3 also allocates each unit's full buffer and frees it at once), then
     materialises one Linear at a time: peak = kept + the largest layer, or the layout's moment.
-    An eager build starts from the whole model."""
+    An eager build starts from the whole model. Stage 0's buffers end with a stamp's room
+    (comm.SUM_STAMP_NUMEL elements: comm.py's [Note: stamps])."""
     n = world
     numels = [i * o + o for i, o in zip(dims, dims[1:])]
     ks = [math.ceil(o / n) * (i + 1) for i, o in zip(dims, dims[1:])]
-    kept = [x if stage == 0 else k * n if stage in (1, 2) else k for x, k in zip(numels, ks)]
+    kept = [x + minishard.comm.SUM_STAMP_NUMEL if stage == 0 else k * n if stage in (1, 2)
+            else k for x, k in zip(numels, ks)]
     walk = sum(kept) + max(numels)
     layout = max(sum(kept[:u + 1]) + ks[u] * n for u in range(len(numels))) if stage == 3 else 0
     expected = 4 * max(walk, layout)

@@ -161,7 +161,9 @@ def test_the_step_formula_counts_the_full_gradients_each_stage_keeps(pools, find
     stages 2-3 otherwise only what a bucket gathers before it is reduced."""
     net, world = Net(16, 2), 2
     units = [[net, net.inp]] + [list(b.modules()) for b in net.blocks]
-    psi = {0: sum(unit_bytes(u, None) for u in units), 1: sum(unit_bytes(u, world) for u in units)}
+    stamps = 4 * minishard.comm.SUM_STAMP_NUMEL * len(units)  # each of stage 0's ends so
+    psi = {0: sum(unit_bytes(u, None) for u in units) + stamps,
+           1: sum(unit_bytes(u, world) for u in units)}
     expected = [psi[min(stage, 1)] if stage < 2 or (find_unused and stage == 2) else bucket
                 for stage in range(4) for bucket in (0, 4096)]
     for got in pools(world).run(_full_gradient_terms, find_unused):
@@ -245,7 +247,8 @@ def test_meta_wrap_holds_what_the_stage_keeps_plus_three_units(pools, ws, width,
     shards = sum(math.ceil((p.shape[0] if p.dim() else 1) / ws) * math.prod(p.shape[1:]) * 4
                  for p in net.parameters())
     full = sum(unit_bytes(b.modules(), ws) for b in net.blocks) + unit_bytes([net.inp], ws)
-    keeps = shards if stage == 3 else full  # stages 0-2 keep the full buffers
+    stamps = 4 * minishard.comm.SUM_STAMP_NUMEL * (1 + depth)  # stage 0's: a buffer's end
+    keeps = shards if stage == 3 else full + (stamps if stage == 0 else 0)  # 0-2: full buffers
     nan_check = width * width  # rank 0 checks each initialised tensor for NaN: a bool each
     units = 1 + minishard.comm.FINISHED_KEPT_BY_BACKEND  # materialising + what gloo holds
     for rank, (peak, kept, mine, where) in enumerate(
