@@ -145,8 +145,8 @@ def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def stamps_differ(stamps, group, op: str) -> None:
-    """Raise: ranks issued different collectives. ``stamps``: a gather's rows of stamp bytes, one
-    a rank, not all equal; or (a str) what this rank's ``sum_stamp`` said, which came back changed."""
+    """Raise: ranks issued different collectives. ``stamps``: a gather's rows of stamp bytes,
+    one a rank, not all equal; or (a str) what this rank's ``sum_stamp`` said, come back changed."""
     said = ({dist.get_rank(group): f"{stamps}; another rank: not that"} if isinstance(stamps, str)
             else dict(enumerate(bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace")
                                 for row in stamps.cpu())))

@@ -106,12 +106,12 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
                   transients: dict[str, int] | None = None, measured=None) -> dict:
     """``model.memory_report(optimizer)``: bytes held now, counted by storage: ``params``,
     ``grads``, ``optimizer`` (its state for the user parameters), ``stamps`` (the room of the
-    all-reduced buffers' stamps, comm.py's [Note: stamps], in the first two); peaks of the last step:
-    ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients alive at once
-    in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`). With ``measured`` (an
-    :class:`~minishard.observe.allocations.Allocations` that watched a training step): its
-    ``measured_step_peak`` beside ``formula_step_peak``, the sum of ``transients`` (the
-    buffers :func:`step_transients` names; activations are the module's and not in it)."""
+    all-reduced buffers' stamps, comm.py's [Note: stamps]: not in the first two); peaks of the
+    last step: ``peak_gathered_params`` (stage 3), ``peak_full_grads`` (unsharded gradients
+    alive at once in backward); ``peak_wrapping`` (while wrapping: :class:`WrapMeter`). With
+    ``measured`` (an :class:`~minishard.observe.allocations.Allocations` that watched a training
+    step): its ``measured_step_peak`` beside ``formula_step_peak``, the sum of ``transients``
+    (the buffers :func:`step_transients` names; activations are the module's and not in it)."""
     params = held_stamps = 0
     grads: dict[int, int] = {}  # by storage: the grads of one reduced piece share one
     grad_stamps: dict[tuple, int] = {}  # (storage, buffer): the room of its stamp in it
@@ -123,7 +123,8 @@ def memory_report(units, meters: Meters, wrap_meter: WrapMeter, optimizer=None,
                     grads[g.untyped_storage().data_ptr()] = g.untyped_storage().nbytes()
             if not f.tail:
                 continue  # else: the room for its stamp (flat.py) is neither params nor grads
-            held_stamps += f.tail * sum(t.element_size() for t in (f.full, f.shard) if t is not None)
+            held_stamps += f.tail * sum(t.element_size() for t in (f.full, f.shard)
+                                        if t is not None)
             for g in (f.full.grad, f.stamped() if f.stamped is not None else None):
                 if g is not None and g.untyped_storage().data_ptr() in grads:
                     grad_stamps[g.untyped_storage().data_ptr(), id(f)] = f.tail * g.element_size()
