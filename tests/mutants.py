@@ -265,6 +265,11 @@ MUTANTS = {
         [("minishard/zero/flat.py", "            if not torch.equal(piece[flat.padded_numel:],",
           "            if False and torch.equal(piece[flat.padded_numel:],")],
         ["tests/test_stamps.py::test_all_reduces_of_different_units_raise_on_every_rank"]),
+    "allocations_count_a_dtensor_whole": (
+        "Allocations counts a DTensor by its own storage, which claims the global size",
+        [("minishard/observe/allocations.py", "        if is_traceable_wrapper_subclass(t):",
+          "        if False:")],
+        ["tests/test_memory_wall.py::test_a_dtensor_counts_the_rows_this_rank_holds"]),
     "plan_held_at_rest_as_if_gathered": (
         "the planner counts stage 3's full buffers as held at rest (the engine frees them)",
         [("minishard/observe/predict.py", "        return shard + (0 if reshard and self.mode is "

@@ -96,6 +96,26 @@ def _mp(name):
                                                reduce_dtype=torch.float32)}[name]
 
 
+# -------------------------------------------------------------------- what it counts
+def _dtensor_counted(rows: int) -> tuple[int, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    d = distribute_tensor(torch.randn(rows, 8), init_device_mesh("cpu", (dist.get_world_size(),)),
+                          [Shard(0)])
+    with Allocations() as alloc:
+        state = torch.zeros_like(d)  # Adam's first step on a stage 1-3 parameter
+    return alloc.peak, state.to_local().untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_dtensor_counts_the_rows_this_rank_holds(pools, ws):
+    """A DTensor's own storage claims its global size; the memory is the local tensor's (this
+    rank's rows: 11 rows over 3 ranks are 4, 4 and 3)."""
+    for rank, (counted, local) in enumerate(pools(ws).run(_dtensor_counted, 11)):
+        assert counted == local == 4 * 8 * (-(-11 // ws) if rank < ws - 1 else
+                                            11 - (ws - 1) * -(-11 // ws)), (rank, counted, local)
+
+
 # ------------------------------------------------------------------------- a training step
 def _step_peak(width, depth, rows, stage, prefetch, bucket, mp, persist=0, find_unused=False):
     rank = dist.get_rank()

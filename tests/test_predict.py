@@ -9,13 +9,14 @@ IS, not against the planner's own arithmetic:
     (the stamps' room included: it is held).
 """
 import copy
+import re
 
 import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from minishard import MixedPrecision, ZeRO
-from minishard.observe.predict import plan_buffers, predict_memory
+from minishard.observe.predict import check, plan_buffers, predict_memory
 from test_memory_wall import Block, Net
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -66,3 +67,19 @@ def test_the_plan_is_the_engine_buffer_by_buffer(pools, ws, width, depth, stage,
                 if k not in ("parameters", "optimizer state")} == step, (rank, predicted, step)
         assert predicted["parameters"] == report["params"] + report["stamps"], (rank, report)
         assert predicted["optimizer state"] == report["optimizer"], (rank, predicted, report)
+
+
+def test_check_prints_each_stage_predicted_beside_measured(pools):
+    """``python -m minishard.plan --check``'s lines (observe/predict.py: check), on a small MLP
+    at 2 and 3 ranks: one a stage, in the issue's format, and the measured peak (Allocations,
+    this machine) within the prediction, which is today the step formula's upper bound (its
+    distance above, not checked here, is bench/RESULTS.md's "The planner beside a run")."""
+    for world in (2, 3):
+        lines = pools(world).run(check, width=48, blocks=3, batch=4, steps=2)[0]
+        assert [line.split(" peak")[0] for line in lines] == [f"minishard stage {s}"
+                                                              for s in range(4)], lines
+        for line in lines:
+            predicted, measured = map(float, re.fullmatch(
+                r"minishard stage \d peak_allocated predicted=([\d.]+) measured=([\d.]+)",
+                line).groups())
+            assert 0 < measured <= predicted, line

@@ -31,7 +31,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["Allocations", "Allocation"]
@@ -128,14 +128,14 @@ class Allocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {}
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and (self.meta or not t.is_meta):
+        for t in _plain(tree_leaves((args, kwargs))):
+            if self.meta or not t.is_meta:
                 inputs[t.untyped_storage()._cdata] = (t.untyped_storage(), t.untyped_storage().nbytes())
         if func.overloadpacket in _LIFTS:  # torch.tensor(data): its storage was made just now,
             inputs = {}                    # outside any operator, and is handed over as is
         out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or (t.is_meta and not self.meta):
+        for t in _plain(tree_leaves(out)):
+            if t.is_meta and not self.meta:
                 continue
             storage = t.untyped_storage()
             key = storage._cdata
@@ -166,6 +166,16 @@ class Allocations(TorchDispatchMode):
 
 
 _LIFTS = {torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy}
+
+
+def _plain(leaves):
+    """The plain tensors among ``leaves``: a wrapper (a DTensor) stands for the tensors inside
+    it, whose storages are the memory (its own claims the global size: a rank holds its part)."""
+    for t in leaves:
+        if is_traceable_wrapper_subclass(t):
+            yield from _plain(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        elif isinstance(t, torch.Tensor):
+            yield t
 
 # ``untyped_storage().resize_`` is not a torch operator, so no mode sees it: while any tracker is
 # open it is replaced, process-wide, by one that tells the open trackers OF THE CALLING THREAD

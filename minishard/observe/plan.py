@@ -414,12 +414,14 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
-    parser.add_argument("--params", type=_arg(parse_count), required=True,
-                        help="parameters: 7B, 70b, 350M, 1.3e9")
+    parser.add_argument("--check", action="store_true",
+                        help="under torchrun: predict bench/'s MLP at stages 0-3 and measure it "
+                             "here; one line a stage (observe/predict.py)")
+    parser.add_argument("--params", type=_arg(parse_count), help="parameters: 7B, 70b, 350M, 1.3e9")
     parser.add_argument("--ranks", type=int, help="data-parallel ranks (devices), one node")
     parser.add_argument("--nodes", type=int, help="nodes (with --ranks-per-node)")
     parser.add_argument("--ranks-per-node", type=int, help="ranks on each node")
-    parser.add_argument("--memory", type=_memory_arg, required=True,
+    parser.add_argument("--memory", type=_memory_arg,
                         help="memory per rank: 80GB (10^9), 80GiB (2^30), 24G, or bytes")
     parser.add_argument("--headroom", default=DEFAULT_HEADROOM,
                         help=f"kept free per rank: a percentage of --memory or a size "
@@ -436,6 +438,10 @@ def main(argv: list[str] | None = None) -> None:
     shape.add_argument("--checkpointing", action="store_true",
                        help="full activation checkpointing (recompute each layer in backward)")
     args = parser.parse_args(argv)
+    if args.check:
+        return _check()
+    if args.params is None or args.memory is None:
+        parser.error("give --params and --memory (or --check, under torchrun)")
     if args.params <= 0 or args.memory <= 0:
         parser.error("--params and --memory must be positive")
     if not 0 <= args.replicated <= args.params:
@@ -460,6 +466,15 @@ def main(argv: list[str] | None = None) -> None:
     per_node = args.ranks_per_node if multi else args.ranks
     print(report(args.params, per_node, args.memory, args.optimizer, args.mixed_precision,
                  headroom, shape_d, args.nodes if multi else None, args.replicated))
+
+
+def _check() -> None:
+    from minishard.launch import session
+    from minishard.observe.predict import check
+    with session() as (rank, _):
+        lines = check()
+        if rank == 0:
+            print("\n".join(lines))
 
 
 if __name__ == "__main__":

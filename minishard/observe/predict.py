@@ -14,20 +14,31 @@ wrapped model, buffer by buffer, and its bytes against what the model holds.
                    (under mixed precision also the fp32 shard); stage 3 its shard
   optimizer state  bytes a master element (OPTIMIZER_STATE) x this rank's real rows
   the rest         the buffers a training step allocates ([Note: a step's memory], meters.py)
+
+``python -m minishard.plan --check`` (under torchrun) puts the sum, plus the module's forward
+activations counted on the meta device, beside a run here: :func:`check`. Today the sum is an
+upper bound (the step formula adds each buffer's largest size, whenever it occurs): bench/
+RESULTS.md, "The planner beside a run", has how far above.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+import copy
+
+import torch.distributed as dist
+
+from minishard.observe.allocations import Allocations
 from minishard.zero.build import flat_groups, flat_mode_of, owned_params, replicated_predicate
 from minishard.zero.config import MixedPrecision
 from minishard.zero.engine import STAGES
 from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 from minishard import comm
+from minishard.zero.engine import ZeRO
 
-__all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE"]
+__all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "check"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -97,3 +108,43 @@ def _real(b: PlannedBuffer) -> int:
     memory_report leaves it out, as the step counter)."""
     return sum((hi - lo) * m for (lo, hi), m, shape in zip(b.row_ranges, b.row_numels, b.shapes)
                if len(shape))
+
+
+class _Block(nn.Module):  # bench/zero_vs_stock.py's MLP block
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x):
+        return nn.functional.gelu(self.linear(x))
+
+
+def check(width: int = 512, blocks: int = 8, batch: int = 32, steps: int = 3) -> list[str]:
+    """Under a process group: bench/'s MLP (``blocks`` Linear(width, width) + GELU, a batch of
+    ``batch`` rows a rank, Adam) at stages 0-3, one line each: the peak allocated bytes of the
+    rank where it is largest, predicted (:func:`predict_memory`, plus the forward's peak counted
+    on the meta device, twice: its gradients in backward, as tests/test_memory_wall.py bounds a
+    step) and measured (``Allocations`` over ``steps`` steps after a warm-up, the states held
+    included). The prediction is the engine's upper bound, not yet its estimate (issue 54)."""
+    world, rank, lines = dist.get_world_size(), dist.get_rank(), []
+    for stage in range(4):
+        torch.manual_seed(0)
+        net, x = nn.Sequential(*[_Block(width) for _ in range(blocks)]), torch.randn(batch, width)
+        meta = copy.deepcopy(net).to("meta")
+        with Allocations(meta=True) as forward:
+            meta(x.to("meta"))
+        predicted = sum(predict_memory(meta, stage, world, rank, units={_Block}).values())
+        with Allocations() as measured:
+            model = ZeRO(net, stage=stage, units={_Block})
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            for i in range(1 + steps):
+                if i == 1:
+                    measured.reset_peak()  # from what the warm-up step left held
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        both = torch.tensor([predicted + 2 * forward.peak, measured.peak], dtype=torch.float64)
+        comm.all_reduce(both, "max", tag="plan --check")
+        lines.append(f"minishard stage {stage} peak_allocated predicted={both[0] / 2**20:.2f} "
+                     f"measured={both[1] / 2**20:.2f}")
+    return lines
