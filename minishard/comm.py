@@ -14,6 +14,7 @@ Every collective minishard issues goes through a function in this module. That b
 Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a :class:`Handle`)."""
 from __future__ import annotations
 
+import functools
 import os
 import time
 import zlib
@@ -122,12 +123,11 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 # [Note: stamps] What a collective IS, in its own payload: the engine's all-gathers end each
 # rank's row with a stamp (CRC of the buffers' names, then their first 28 bytes), compared before
 # any value is used. Always on, no extra collective: ranks issuing different gathers of equal size
-# (rank 0 evaluating alone) raise. The ledger leaves stamps out (32 bytes per rank and gather).
-# A sum keeps a stamp made of bits: the engine's all-reduces end with the CRC's 32 bits b and
-# 1 - b (``sum_stamp``); averaged (or max, min) they come back unchanged only if every rank's
-# agree. A reduce-scatter's chunks have no room: on gloo its messages carry the CRC of its tag in
-# theirs, and match on equal tags only, so two reductions are never combined; they wait, and
-# time out, named. So the ``tag`` of a stamped collective must be equal on every rank.
+# (rank 0 evaluating alone) raise. The ledger leaves stamps out. A sum keeps a stamp of bits: the
+# engine's all-reduces end with the CRC's 32 bits b and 1 - b (``sum_stamp``), which averaged (or
+# max, min) come back unchanged only if every rank's agree. A reduce-scatter's chunks have no room:
+# on gloo its messages' tags carry the CRC (gloo matches equal tags only), so two reductions are
+# never combined: they wait and time out, named. A stamped ``tag`` is equal on every rank.
 STAMP_BYTES, SUM_STAMP_NUMEL = 32, 64
 
 
@@ -138,10 +138,11 @@ def stamp(what: str, itemsize: int) -> bytearray:
     return bytearray(raw.ljust(-(-STAMP_BYTES // itemsize) * itemsize, b"\0"))
 
 
+@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
 def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
     """``what``'s stamp for a sum, average, max or min: the bits of its CRC, then 1 minus them."""
-    bits = [zlib.crc32(what.encode()) >> i & 1 for i in range(SUM_STAMP_NUMEL // 2)]
-    return torch.tensor(bits + [1 - b for b in bits], dtype=dtype, device=device)
+    return torch.tensor([(zlib.crc32(what.encode()) >> i & 1) ^ flip for flip in (0, 1)
+                         for i in range(SUM_STAMP_NUMEL // 2)], dtype=dtype, device=device)
 
 
 def stamps_differ(stamps, group, op: str) -> None:

@@ -16,9 +16,9 @@ wrapped model, buffer by buffer, and its bytes against what the model holds.
   the rest         the buffers a training step allocates ([Note: a step's memory], meters.py)
 
 ``python -m minishard.plan --check`` (under torchrun) puts the sum, plus the module's forward
-activations counted on the meta device, beside a run here: :func:`check`. Today the sum is an
-upper bound (the step formula adds each buffer's largest size, whenever it occurs): bench/
-RESULTS.md, "The planner beside a run", has how far above.
+activations counted on the meta device, beside a run here: :func:`check`. The sum is an upper
+bound (the step formula adds each buffer's largest size, whenever it occurs): bench/RESULTS.md,
+"The planner beside a run", has how far above.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def check(width: int = 512, blocks: int = 8, batch: int = 32, steps: int = 3) ->
     rank where it is largest, predicted (:func:`predict_memory`, plus the forward's peak counted
     on the meta device, twice: its gradients in backward, as tests/test_memory_wall.py bounds a
     step) and measured (``Allocations`` over ``steps`` steps after a warm-up, the states held
-    included). The prediction is the engine's upper bound, not yet its estimate (issue 54)."""
+    included). The prediction is the step formula's upper bound (issue 54 asks for 5%)."""
     world, rank, lines = dist.get_world_size(), dist.get_rank(), []
     for stage in range(4):
         torch.manual_seed(0)

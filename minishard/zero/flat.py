@@ -423,11 +423,10 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
     the mean of S-rank means over R replicas is the mean over all R·S ranks.
 
-    Mode REPLICATED (DDP): an all-reduce of the concatenated gradients, each ending with its
-    buffer's stamp (comm.py's [Note: stamps]), checked before any is used. Otherwise a
-    reduce-scatter, after which each rank keeps its k elements of every buffer. For that, each
-    rank's pieces of the buffers must sit side by side in the buffer we send (rank-major,
-    :func:`copy_in`)::
+    Mode REPLICATED (DDP): an all-reduce of the joined gradients, each ending with its buffer's
+    stamp (comm.py's [Note: stamps]). Otherwise a reduce-scatter, after which each rank keeps its
+    k elements of every buffer. For that, each rank's pieces of the buffers must sit side by side
+    in the buffer we send (rank-major, :func:`copy_in`)::
 
         flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
         send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
