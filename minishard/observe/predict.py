@@ -125,7 +125,7 @@ def check(width: int = 512, blocks: int = 8, batch: int = 32, steps: int = 3) ->
     rank where it is largest, predicted (:func:`predict_memory`, plus the forward's peak counted
     on the meta device, twice: its gradients in backward, as tests/test_memory_wall.py bounds a
     step) and measured (``Allocations`` over ``steps`` steps after a warm-up, the states held
-    included). The prediction is the step formula's upper bound (issue 54 asks for 5%)."""
+    included). The prediction is the step formula's upper bound, not an estimate."""
     world, rank, lines = dist.get_world_size(), dist.get_rank(), []
     for stage in range(4):
         torch.manual_seed(0)
