@@ -22,21 +22,19 @@ bound (the step formula adds each buffer's largest size, whenever it occurs): be
 """
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 import copy
 
+import torch
 import torch.distributed as dist
+from torch import nn
 
+from minishard import comm
 from minishard.observe.allocations import Allocations
 from minishard.zero.build import flat_groups, flat_mode_of, owned_params, replicated_predicate
 from minishard.zero.config import MixedPrecision
-from minishard.zero.engine import STAGES
+from minishard.zero.engine import STAGES, ZeRO
 from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
-from minishard import comm
-from minishard.zero.engine import ZeRO
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "check"]
 
