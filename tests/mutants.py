@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = {
     "sum_not_avg": (
         "gradients SUMMED over ranks instead of averaged",
-        [("minishard/zero/flat.py", 'comm.all_reduce(send, "avg",', 'comm.all_reduce(send, "sum",'),
+        [("minishard/zero/flat.py", 'comm.all_reduce(out, "avg",', 'comm.all_reduce(out, "sum",'),
          ("minishard/zero/flat.py", 'comm.reduce_scatter(out, send.reshape(-1), "avg",',
           'comm.reduce_scatter(out, send.reshape(-1), "sum",')],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32",
