@@ -262,8 +262,8 @@ MUTANTS = {
     "all_reduced_sums_unchecked": (
         "stage 0's all-reduce carries its stamp but no rank checks it: ranks averaging "
         "different units of one size deliver the mix",
-        [("minishard/zero/flat.py", "            if not torch.equal(piece[flat.padded_numel:],",
-          "            if False and torch.equal(piece[flat.padded_numel:],")],
+        [("minishard/zero/flat.py", "    if not torch.equal(got, comm.sum_stamp(",
+          "    if False and torch.equal(got, comm.sum_stamp(")],
         ["tests/test_stamps.py::test_all_reduces_of_different_units_raise_on_every_rank"]),
     "allocations_count_a_dtensor_whole": (
         "Allocations counts a DTensor by its own storage, which claims the global size",

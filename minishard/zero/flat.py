@@ -472,9 +472,7 @@ def _all_reduce_stamped(flats: list[FlatBuffer], grads: list[torch.Tensor], tag:
     def check() -> None:  # every stamp, before any gradient is used
         handle.wait()
         for flat, piece in zip(flats, torch.split(out, [f.full.numel() for f in flats])):
-            if not torch.equal(piece[flat.padded_numel:],
-                               comm.sum_stamp(flat.name, piece.dtype, piece.device)):
-                comm.stamps_differ(flat.name, flat.group, "all_reduce")
+            _check_stamp(piece[flat.padded_numel:], flat.name, flat.group)
             if out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
                 flat.stamped = weakref.ref(out)
     return out, comm.Handle(then=check)
@@ -486,6 +484,11 @@ def _average_across(out: torch.Tensor, group, tag: str) -> None:
     stamp = comm.sum_stamp(tag, out.dtype, out.device)
     send = torch.cat([out, stamp])
     comm.all_reduce(send, "avg", group, tag=tag, stamp=stamp.numel())
-    if not torch.equal(send[out.numel():], stamp):
-        comm.stamps_differ(tag, group, "all_reduce")
+    _check_stamp(send[out.numel():], tag, group)
     out.copy_(send[:out.numel()])
+
+
+def _check_stamp(got: torch.Tensor, what: str, group) -> None:
+    """After an all-reduce: every rank raises unless ``what``'s stamp came back as it went."""
+    if not torch.equal(got, comm.sum_stamp(what, got.dtype, got.device)):
+        comm.stamps_differ(what, group, "all_reduce")
