@@ -275,6 +275,15 @@ MUTANTS = {
         [("minishard/observe/predict.py", "        return shard + (0 if reshard and self.mode is "
           "FlatMode.OWN else self.full_bytes)", "        return shard + self.full_bytes")],
         ["tests/test_predict.py::test_the_plan_is_the_engine_buffer_by_buffer"]),
+    "dry_run_skips_the_gloo_paths": (
+        "a dry run takes the flat collectives' paths: comm's exchange buffers go uncounted",
+        [("minishard/observe/dry_run.py", "    worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])",
+          "    pass  # ")],
+        ["tests/test_predict.py::test_a_dry_run_predicts_every_ranks_peak_within_5_percent"]),
+    "dry_run_gathers_garbage": (
+        "a dry run's all-gather by broadcasts leaves the other ranks' rows as they were",
+        [("minishard/observe/dry_run.py", "                t.copy_(mine)", "                pass")],
+        ["tests/test_predict.py::test_a_dry_run_predicts_every_ranks_peak_within_5_percent"]),
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "
         "torch's raw mesh error, not the way forward",

@@ -7,16 +7,24 @@ IS, not against the planner's own arithmetic:
   * the step's buffers (``transients``) equal ``model.step_transients()``;
   * parameters and optimizer state equal what ``memory_report`` counts held after a step
     (the stamps' room included: it is held).
+A step's peak is predicted by a dry run (observe/dry_run.py: the engine's own step in this
+process, alone, as rank r of N) and measured on N real ranks: within 5% on every rank, over
+drawn configurations (DDP and stages 0-3, 1-4 ranks, an MLP and a GPT, fp32 and bf16, buckets
+and prefetch on and off, for-loop and foreach Adam).
 """
 import copy
+import functools
 import re
 
 import torch
+import pytest
 import torch.distributed as dist
 from hypothesis import given, strategies as st
+from torch import nn
 
 from minishard import MixedPrecision, ZeRO
-from minishard.observe.predict import check, plan_buffers, predict_memory
+from minishard.observe.predict import (MLP_UNITS, SYSTEMS, check, mlp, plan_buffers, predict,
+                                       predict_memory, train)
 from test_memory_wall import Block, Net
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -69,17 +77,106 @@ def test_the_plan_is_the_engine_buffer_by_buffer(pools, ws, width, depth, stage,
         assert predicted["optimizer state"] == report["optimizer"], (rank, predicted, report)
 
 
-def test_check_prints_each_stage_predicted_beside_measured(pools):
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(d, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape: token and position embeddings, blocks, a head tied to the embedding."""
+
+    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def gpt(vocab: int = 96, seq: int = 32, d: int = 32, layers: int = 3, batch: int = 32):
+    return GPT(vocab, seq, d, 4, layers), torch.randint(0, vocab, (batch, seq))
+
+
+# Sizes: a batch whose activations outweigh any one collective's buffers. gloo's worker thread
+# lets go of a collective's tensors just after the wait returns, so now and then a real step's
+# peak holds one more (a race: measured up to 6% above on a 0.8 MB peak; the dry run never).
+MODELS = {"mlp": (functools.partial(mlp, 64, 4, 1024), MLP_UNITS), "gpt": (gpt, {GPTBlock})}
+
+
+def arguments(model, system, mp, bucket, prefetch, foreach):
+    """train()'s keyword arguments for a drawn configuration (DDP takes no ZeRO argument)."""
+    kwargs = {"optimizer": functools.partial(torch.optim.Adam, lr=1e-3, foreach=foreach)}
+    if system != "ddp":
+        kwargs |= dict(units=MODELS[model][1], mixed_precision=MP[mp], bucket_bytes=bucket,
+                       prefetch=prefetch)
+    return kwargs
+
+
+def measured_peak(model, system, kwargs) -> int:
+    return train(MODELS[model][0], system, **kwargs).peak
+
+
+@given(ws=st.sampled_from(WORLD_SIZES), model=st.sampled_from(sorted(MODELS)),
+       system=st.sampled_from(SYSTEMS), mp=st.sampled_from(["none", "bf16"]),
+       bucket=st.sampled_from([0, 20_000]), prefetch=st.booleans(), foreach=st.booleans())
+def test_a_dry_run_predicts_every_ranks_peak_within_5_percent(pools, ws, model, system, mp,
+                                                              bucket, prefetch, foreach):
+    kwargs = arguments(model, system, mp, bucket, prefetch, foreach)
+    measured = pools(ws).run(measured_peak, model, system, kwargs)
+    for rank in range(ws):
+        predicted = predict(MODELS[model][0], system, ws, rank, **kwargs).peak
+        assert abs(predicted - measured[rank]) <= 0.05 * measured[rank], (rank, predicted,
+                                                                          measured)
+
+
+def test_a_dry_run_needs_a_process_of_its_own(pools):
+    """The default process group is one a process: refused, saying what to do, where one is."""
+    with pytest.raises(RuntimeError, match="before init_process_group"):
+        pools(2).run(predict, MODELS["mlp"][0], 0, 2, 0)
+
+
+def check_here(predicted_by_rank, build):
+    return check(predicted_by_rank[dist.get_rank()], build, SYSTEMS, timed=2, units=MLP_UNITS)
+
+
+def test_check_prints_each_system_predicted_beside_measured(pools):
     """``python -m minishard.plan --check``'s lines (observe/predict.py: check), on a small MLP
-    at 2 and 3 ranks: one a stage, in the issue's format, and the measured peak (Allocations,
-    this machine) within the prediction, which is today the step formula's upper bound (its
-    distance above, not checked here, is bench/RESULTS.md's "The planner beside a run")."""
+    at 2 and 3 ranks: two a system, in the issue's format; the peaks within 5% of each other."""
+    build = MODELS["mlp"][0]
     for world in (2, 3):
-        lines = pools(world).run(check, width=48, blocks=3, batch=4, steps=2)[0]
-        assert [line.split(" peak")[0] for line in lines] == [f"minishard stage {s}"
-                                                              for s in range(4)], lines
+        predicted = [[predict(build, s, world, rank, timed=2, units=MLP_UNITS) for s in SYSTEMS]
+                     for rank in range(world)]
+        lines = pools(world).run(check_here, predicted, build)[0]
+        names = ["DDP"] + [f"minishard stage {s}" for s in range(4)]
+        assert [line.rsplit(" ", 2)[0] for line in lines] == [
+            f"{name} {what}" for name in names for what in ("peak_allocated", "step_time")], lines
         for line in lines:
             predicted, measured = map(float, re.fullmatch(
-                r"minishard stage \d peak_allocated predicted=([\d.]+) measured=([\d.]+)",
+                r".* (?:peak_allocated|step_time) predicted=([\d.]+) measured=([\d.]+)",
                 line).groups())
-            assert 0 < measured <= predicted, line
+            assert predicted > 0 and measured > 0, line
+            if "peak_allocated" in line:
+                assert abs(predicted - measured) <= 0.05 * measured, line

@@ -32,7 +32,9 @@ nodes (why a ring over all N counts wholly: [Note: crosses nodes] in plan.py):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import os
 import re
 import textwrap
 
@@ -469,10 +471,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check() -> None:
+    import torch
+
     from minishard.launch import session
-    from minishard.observe.predict import check
+    from minishard.observe.predict import MLP_UNITS, SYSTEMS, check, mlp, predict
+    predicted = []
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # else session() says how to start
+        # Dry runs before the process group (a process has one default group). Every rank
+        # predicts its own peak; rank 0 alone then times its dry runs: N at once would time N
+        # processes sharing this machine's cores (the others wait in session() meanwhile).
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        torch.set_num_threads(1)  # as session() sets for the run
+        predicted = [predict(mlp, system, world, rank, units=MLP_UNITS) for system in SYSTEMS]
+        if rank == 0:
+            timed = [predict(mlp, system, world, rank, timed=10, units=MLP_UNITS)
+                     for system in SYSTEMS]
+            predicted = [dataclasses.replace(p, step_s=t.step_s) for p, t in zip(predicted, timed)]
     with session() as (rank, _):
-        lines = check()
+        lines = check(predicted, units=MLP_UNITS)
         if rank == 0:
             print("\n".join(lines))
 

@@ -22,7 +22,10 @@ bound (the step formula adds each buffer's largest size, whenever it occurs): be
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
+import os
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,13 +33,15 @@ from torch import nn
 
 from minishard import comm
 from minishard.observe.allocations import Allocations
+from minishard.observe.dry_run import dry_run
 from minishard.zero.build import flat_groups, flat_mode_of, owned_params, replicated_predicate
 from minishard.zero.config import MixedPrecision
 from minishard.zero.engine import STAGES, ZeRO
 from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
-__all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "check"]
+__all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
+           "predict", "mlp", "MLP_UNITS", "step_time", "price", "SYSTEMS", "check"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -117,32 +122,116 @@ class _Block(nn.Module):  # bench/zero_vs_stock.py's MLP block
         return nn.functional.gelu(self.linear(x))
 
 
-def check(width: int = 512, blocks: int = 8, batch: int = 32, steps: int = 3) -> list[str]:
-    """Under a process group: bench/'s MLP (``blocks`` Linear(width, width) + GELU, a batch of
-    ``batch`` rows a rank, Adam) at stages 0-3, one line each: the peak allocated bytes of the
-    rank where it is largest, predicted (:func:`predict_memory`, plus the forward's peak counted
-    on the meta device, twice: its gradients in backward, as tests/test_memory_wall.py bounds a
-    step) and measured (``Allocations`` over ``steps`` steps after a warm-up, the states held
-    included). The prediction is the step formula's upper bound, not an estimate."""
-    world, rank, lines = dist.get_world_size(), dist.get_rank(), []
-    for stage in range(4):
+def mlp(width: int = 512, blocks: int = 8, batch: int = 32):
+    """bench/'s MLP: ``blocks`` Linear(width, width) + GELU, and a batch of ``batch`` rows."""
+    return nn.Sequential(*[_Block(width) for _ in range(blocks)]), torch.randn(batch, width)
+
+
+MLP_UNITS = {_Block}  # its ZeRO units
+
+
+@dataclasses.dataclass
+class Run:
+    """A few training steps of one system on this rank: the peak allocated bytes (the states
+    held included), what was alive then (Allocations' records), each timed step's seconds."""
+    peak: int
+    at_peak: list
+    step_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+
+def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero) -> Run:
+    """On the current process group: ``build()`` -> (module, batch) under a fixed seed, wrapped
+    as ``system`` ("ddp": torch's DistributedDataParallel; 0-3: ``ZeRO(stage=...)`` with
+    ``zero``'s arguments), trained one warm-up step and ``steps`` steps counted by
+    ``Allocations`` (from before the module is built), then ``timed`` steps under a clock.
+    ``optimizer(params)``: torch.optim.Adam by default (lr 1e-4). The loss: the output's mean
+    square."""
+    make = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-4))
+
+    def step() -> None:
+        model(batch).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with Allocations() as alloc:
         torch.manual_seed(0)
-        net, x = nn.Sequential(*[_Block(width) for _ in range(blocks)]), torch.randn(batch, width)
-        meta = copy.deepcopy(net).to("meta")
-        with Allocations(meta=True) as forward:
-            meta(x.to("meta"))
-        predicted = sum(predict_memory(meta, stage, world, rank, units={_Block}).values())
-        with Allocations() as measured:
-            model = ZeRO(net, stage=stage, units={_Block})
-            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-            for i in range(1 + steps):
-                if i == 1:
-                    measured.reset_peak()  # from what the warm-up step left held
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-        both = torch.tensor([predicted + 2 * forward.peak, measured.peak], dtype=torch.float64)
-        comm.all_reduce(both, "max", tag="plan --check")
-        lines.append(f"minishard stage {stage} peak_allocated predicted={both[0] / 2**20:.2f} "
-                     f"measured={both[1] / 2**20:.2f}")
+        module, batch = build()
+        model = (nn.parallel.DistributedDataParallel(module) if system == "ddp"
+                 else ZeRO(module, stage=system, **zero))
+        opt = make(model.parameters())
+        step()
+        alloc.reset_peak()
+        for _ in range(steps):
+            step()
+    times, calls = [], getattr(dist.group.WORLD, "calls", None)  # a dry run's: predicted
+    for _ in range(timed):
+        dist.barrier()
+        first, start = len(calls or ()), time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+        times.append(seconds if calls is None else
+                     step_time(calls[first:], seconds, dist.get_world_size()))
+    return Run(alloc.peak, alloc.at_peak, times)
+
+
+def predict(build, system, world: int, rank: int = 0, **kwargs) -> Run:
+    """:func:`train` in a dry run (observe/dry_run.py): rank ``rank`` of ``world``, alone; its
+    step times are :func:`step_time`'s."""
+    with dry_run(world, rank):
+        return train(build, system, **kwargs)
+
+
+def step_time(calls, seconds: float, world: int, cores: int | None = None) -> float:
+    """A step's seconds on ``world`` ranks of this machine, from a dry run of it that took
+    ``seconds`` and made the backend ``calls``: its computation, plus each call at comm's
+    alpha-beta price (:func:`price`), times ``world / cores`` when the ranks outnumber the cores.
+
+    Added, not overlapped: on a CPU the cores that compute also move every byte (gloo copies it
+    to and from the sockets), so communication hidden behind computation slows that computation
+    as much (bench/RESULTS.md, "The planner beside a run": the time a rank waits is about the
+    communication's price, and its computation grows by about as much when waiting less)."""
+    shared = max(1.0, world / (cores or len(os.sched_getaffinity(0))))
+    return shared * (seconds + sum(price(c.op, c.nbytes, world) for c in calls))
+
+
+def price(op: str, nbytes: int, world: int) -> float:
+    """Seconds of one backend call under comm's alpha-beta model (costs.ALPHA, costs.BETA):
+    messages x ALPHA + bytes this rank sends x BETA (a ring's, costs.py's table)."""
+    n = world
+    messages, sent = {"allreduce": (2 * (n - 1), 2 * (n - 1) * nbytes / n),
+                      "allgather": (n - 1, (n - 1) * nbytes / n),
+                      "reduce_scatter": (n - 1, (n - 1) * nbytes / n),
+                      "broadcast": (1, (n - 1) * nbytes / n),
+                      "send": (1, nbytes)}.get(op, (0, 0))
+    return messages * comm.ALPHA + sent * comm.BETA
+
+
+SYSTEMS = ("ddp", 0, 1, 2, 3)  # --check's: torch's DDP, then minishard's stages
+
+
+def name_of(system) -> str:
+    return "DDP" if system == "ddp" else f"minishard stage {system}"
+
+
+def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 10,
+          **zero) -> list[str]:
+    """Under a process group: each of ``systems`` trained here (:func:`train`, on ``build()``,
+    bench/'s MLP by default) beside ``predicted``, this rank's :func:`predict` runs (made before
+    the process group was: a dry run is a process's only one). A line a system: the peak
+    allocated bytes on the rank where it is largest; and where ``predicted`` has step times
+    (rank 0's: timed alone, see plan.py), a line: this rank's median step time."""
+    lines = []
+    for system, guess in zip(systems, predicted):
+        run = train(build, system, timed=timed, **zero)
+        peaks = torch.tensor([guess.peak, run.peak], dtype=torch.float64)
+        comm.all_reduce(peaks, "max", tag="plan --check")
+        name = name_of(system)
+        lines.append(f"{name} peak_allocated predicted={peaks[0] / 2**20:.2f} "
+                     f"measured={peaks[1] / 2**20:.2f}")
+        if guess.step_s:
+            lines.append(f"{name} step_time predicted={1e3 * guess.median_s:.2f} "
+                         f"measured={1e3 * run.median_s:.2f}")
     return lines
