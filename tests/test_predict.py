@@ -16,15 +16,14 @@ import copy
 import functools
 import re
 
-import torch
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
-from torch import nn
 
 from minishard import MixedPrecision, ZeRO
-from minishard.observe.predict import (MLP_UNITS, SYSTEMS, check, mlp, plan_buffers, predict,
-                                       predict_memory, train)
+from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, check, gpt, mlp,
+                                       plan_buffers, predict, predict_memory, train)
 from test_memory_wall import Block, Net
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -77,53 +76,11 @@ def test_the_plan_is_the_engine_buffer_by_buffer(pools, ws, width, depth, stage,
         assert predicted["optimizer state"] == report["optimizer"], (rank, predicted, report)
 
 
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(x).split(d, dim=2))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), Attention(d, heads), nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """nanoGPT's shape: token and position embeddings, blocks, a head tied to the embedding."""
-
-    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        return self.head(self.ln_f(self.blocks(x)))
-
-
-def gpt(vocab: int = 96, seq: int = 32, d: int = 32, layers: int = 3, batch: int = 32):
-    return GPT(vocab, seq, d, 4, layers), torch.randint(0, vocab, (batch, seq))
-
-
 # Sizes: a batch whose activations outweigh any one collective's buffers. gloo's worker thread
 # lets go of a collective's tensors just after the wait returns, so now and then a real step's
 # peak holds one more (a race: measured up to 6% above on a 0.8 MB peak; the dry run never).
-MODELS = {"mlp": (functools.partial(mlp, 64, 4, 1024), MLP_UNITS), "gpt": (gpt, {GPTBlock})}
+MODELS = {"mlp": (functools.partial(mlp, 64, 4, 1024), MLP_UNITS),
+          "gpt": (functools.partial(gpt, 96, 32, 32, 3, 32), GPT_UNITS)}
 
 
 def arguments(model, system, mp, bucket, prefetch, foreach):

@@ -24,9 +24,10 @@ Part 2 trusts the estimator (``python -m minishard.plan``, checked against the m
 part 1 and by tests/test_plan.py) for sizes we cannot run here: 1B, 7B and 70B parameters on
 8 GPUs of 80 GB, mixed-precision Adam.
 
-Part 3 predicts a whole step's peak from the plan alone (``python -m minishard.plan --check``:
-states + the buffers a step allocates + activations) and measures it: a bound, well above the
-peak, and once below it, where the MEASUREMENT was wrong (bench/RESULTS.md, the planner).
+Part 3 predicts a whole step, DDP and every stage, before the ranks exist (``python -m
+minishard.plan --check`` does the same for bench/'s models): a dry run of the engine in this one
+process (observe/dry_run.py) gives each rank's peak allocated bytes, within 5% of what the ranks
+then measure, and a step time; and it tells the story of the predictions that were wrong.
 """
 import argparse
 import math
@@ -43,7 +44,7 @@ import minishard
 from minishard import comm
 from minishard.observe.memory import bar_chart, fmt_bytes, pyplot
 from minishard.observe.plan import estimate, fmt_decimal, min_ranks
-from minishard.observe.predict import check
+from minishard.observe.predict import check, predictions
 
 WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128 rows a parameter: padded when 3 ranks
 
@@ -55,6 +56,11 @@ class Block(nn.Module):
 
     def forward(self, x):
         return torch.nn.functional.gelu(self.linear(x))
+
+
+def activation_heavy():
+    """Part 3's model: these blocks, with a batch whose activations outweigh any collective."""
+    return nn.Sequential(*[Block() for _ in range(BLOCKS)]), torch.randn(1024, WIDTH)
 
 
 def build(stage: int):
@@ -86,7 +92,7 @@ def step(model, opt, x) -> None:
     opt.zero_grad()
 
 
-def main(rank: int, world: int, plot: str | None) -> None:
+def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(rank))
@@ -187,22 +193,30 @@ def main(rank: int, world: int, plot: str | None) -> None:
     say("\nAsserted: 1B trains with plain DDP; 7B needs stage 1; 70B does not fit on 8 GPUs at any "
         "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.\n")
 
-    # ---------------------------------------------- part 3: a step's peak, predicted and measured
-    say("Part 3: this model's step, its peak allocated bytes predicted from the plan alone (no "
-        "wrap)\nand measured (minishard.Allocations), the rank where it is largest:\n")
-    lines = check(width=WIDTH, blocks=BLOCKS, batch=BATCH)
+    # ---------------------------------------- part 3: a whole step, predicted and measured
+    say("Part 3: this model's step (batch 1024), predicted before the ranks existed (a dry run "
+        "of the engine\nin each rank's process, observe/dry_run.py) and measured here: peak "
+        "allocated MiB on the rank\nwhere it is largest, rank 0's median step time in ms:\n")
+    lines = check(dry_runs, activation_heavy, units={Block})
     say("\n".join(lines))
     for line in lines:
-        predicted, measured = (float(v) for v in re.findall(r"=([\d.]+)", line))
-        assert measured <= predicted, line
+        guess, measured = (float(v) for v in re.findall(r"=([\d.]+)", line))
+        if "peak_allocated" in line:
+            assert abs(guess - measured) <= 0.05 * measured, line
     say(textwrap.fill(
-        "Asserted: no stage allocated more than predicted. The prediction adds each buffer's "
-        "largest size (every full gradient, every reduction, what gloo keeps) as if all were "
-        "alive at once; the peak is one moment, when some of them are. So it is a bound, not "
-        "an estimate. It was once BELOW the measurement (bench/'s MLP, stage 3, 3 ranks): the "
-        "measurement was wrong. A DTensor's own storage claims the global size, and Allocations counted "
-        "that for every optimizer state, N times what a rank holds; it now counts the tensor "
-        "inside. A prediction that fails is a question for both sides.", 100))
+        "Asserted: every peak within 5% of its prediction (times are printed, not asserted: "
+        "this shared CPU drifts 15% between runs). Three predictions were wrong on the way. "
+        "(1) The step formula adds each buffer at its largest, as if all were alive at once: "
+        "1.3-1.9x the peak, a bound. The peak is one moment, and which buffers are alive then "
+        "is the schedule's business, so the planner now runs the schedule: the engine's own "
+        "step, alone, its collectives answered as every rank would answer. (2) Once the "
+        "bound was BELOW the measurement: the measurement was wrong (Allocations counted a "
+        "DTensor's storage, which claims the global size; it now counts the rows a rank "
+        "holds). (3) The dry run then matched to the byte, except now and then by one "
+        "collective's buffers: gloo's worker thread lets go of them just after the wait "
+        "returns, a race no schedule predicts. That is why this part's batch is 1024: at 16 "
+        "rows one gathered unit is 7-10% of the peak, at 1024 under 1%. A prediction that fails is a question for "
+        "both sides.", 100))
     say("All assertions held.")
 
     plt = pyplot() if plot and rank == 0 else None
@@ -224,7 +238,8 @@ if __name__ == "__main__":
     parser.add_argument("--plot", help="also save a PNG of memory and step time (needs matplotlib)")
     args = parser.parse_args()
     # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
+    dry_runs = predictions(activation_heavy, units={Block})  # part 3: before the ranks exist
     with minishard.launch.session(
             world_sizes=minishard.launch.at_least(2),
             why="with one rank every stage holds the same bytes") as (rank, world):
-        main(rank, world, args.plot)
+        main(rank, world, args.plot, dry_runs)

@@ -32,9 +32,7 @@ nodes (why a ring over all N counts wholly: [Note: crosses nodes] in plan.py):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
-import os
 import re
 import textwrap
 
@@ -417,8 +415,11 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("--check", action="store_true",
-                        help="under torchrun: predict bench/'s MLP at stages 0-3 and measure it "
-                             "here; one line a stage (observe/predict.py)")
+                        help="under torchrun: predict a model's step (peak allocated bytes, step "
+                             "time) with DDP and stages 0-3 and measure it here "
+                             "(observe/predict.py)")
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                        help="--check's model: bench/'s MLP (default) or a small GPT")
     parser.add_argument("--params", type=_arg(parse_count), help="parameters: 7B, 70b, 350M, 1.3e9")
     parser.add_argument("--ranks", type=int, help="data-parallel ranks (devices), one node")
     parser.add_argument("--nodes", type=int, help="nodes (with --ranks-per-node)")
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
                        help="full activation checkpointing (recompute each layer in backward)")
     args = parser.parse_args(argv)
     if args.check:
-        return _check()
+        return _check(args.model)
     if args.params is None or args.memory is None:
         parser.error("give --params and --memory (or --check, under torchrun)")
     if args.params <= 0 or args.memory <= 0:
@@ -470,25 +471,13 @@ def main(argv: list[str] | None = None) -> None:
                  headroom, shape_d, args.nodes if multi else None, args.replicated))
 
 
-def _check() -> None:
-    import torch
-
+def _check(model: str) -> None:
     from minishard.launch import session
-    from minishard.observe.predict import MLP_UNITS, SYSTEMS, check, mlp, predict
-    predicted = []
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # else session() says how to start
-        # Dry runs before the process group (a process has one default group). Every rank
-        # predicts its own peak; rank 0 alone then times its dry runs: N at once would time N
-        # processes sharing this machine's cores (the others wait in session() meanwhile).
-        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-        torch.set_num_threads(1)  # as session() sets for the run
-        predicted = [predict(mlp, system, world, rank, units=MLP_UNITS) for system in SYSTEMS]
-        if rank == 0:
-            timed = [predict(mlp, system, world, rank, timed=10, units=MLP_UNITS)
-                     for system in SYSTEMS]
-            predicted = [dataclasses.replace(p, step_s=t.step_s) for p, t in zip(predicted, timed)]
+    from minishard.observe.predict import MODELS, check, predictions
+    build, units = MODELS[model]
+    predicted = predictions(build, units=units)  # dry runs: before the process group
     with session() as (rank, _):
-        lines = check(predicted, units=MLP_UNITS)
+        lines = check(predicted, build, units=units)
         if rank == 0:
             print("\n".join(lines))
 

@@ -1,27 +1,31 @@
-"""What a step will hold and allocate, predicted from the plan alone: no wrap, no process group,
-no memory (a module on the meta device will do).
+"""What a step will hold, allocate and take, predicted without the ranks it will run on.
 
-    parts = predict_memory(module, stage=3, world=4, rank=0, units={Block}, optimizer="adam")
-    # {"parameters": ..., "optimizer state": ..., "gathered parameters": ..., ...}
+Two predictions, for two questions:
 
-The same rules as the engine, not a copy of them: the units, each parameter's owner and the flat
-buffers come from zero/build.py (``owned_params``, ``flat_groups``, ``flat_mode_of``), the cut
-from ``flat.Layout``, and the step's buffers from ``zero.meters.transients``, which the engine's
-own ``model.step_transients()`` calls. tests/test_predict.py holds each plan against the
-wrapped model, buffer by buffer, and its bytes against what the model holds.
+  the plan (a bound)   plan_buffers / predict_memory: from any module (the meta device too), no
+                       process group, no memory: the flat buffers ZeRO would build, by the
+                       engine's own rules (zero/build.py's ``owned_params``, ``flat_groups``,
+                       ``flat_mode_of``; ``flat.Layout``'s cut), what a rank holds at rest, and
+                       the step formula ``zero.meters.transients`` (the engine's own
+                       ``step_transients()`` calls it): each buffer at its largest, an upper bound
+  the dry run (the     predict(build, system, world, rank): the engine's real step, run in this
+  peak, and a time)    process as rank ``rank`` of ``world`` (observe/dry_run.py), measured by
+                       ``Allocations``: the same code and order as the real run, so the peak is
+                       the real one (tests/test_predict.py: within 5% on every rank, drawn
+                       configurations); its time, with comm's alpha-beta prices, predicts the
+                       step's (:func:`step_time`)
 
-  parameters       what a rank holds at rest: stage 0 every buffer whole; stages 1-2 whole too
-                   (under mixed precision also the fp32 shard); stage 3 its shard
-  optimizer state  bytes a master element (OPTIMIZER_STATE) x this rank's real rows
-  the rest         the buffers a training step allocates ([Note: a step's memory], meters.py)
+    run = predict(mlp, 3, world=4, rank=0, units=MLP_UNITS, timed=10)
+    run.peak, run.at_peak, run.median_s      # bytes, what was alive then, seconds
 
-``python -m minishard.plan --check`` (under torchrun) puts the sum, plus the module's forward
-activations counted on the meta device, beside a run here: :func:`check`. The sum is an upper
-bound (the step formula adds each buffer's largest size, whenever it occurs): bench/RESULTS.md,
-"The planner beside a run", has how far above.
+``python -m minishard.plan --check [--model gpt]`` (under torchrun) puts both beside a run here,
+for DDP and stages 0-3 (:func:`check`). How close: bench/RESULTS.md, "The planner beside a run".
+A dry run spends this rank's memory and one process's time: for a model bigger than this
+machine, the plan's bound and plan.py's formulas are what there is.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import statistics
@@ -41,7 +45,7 @@ from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
-           "predict", "mlp", "MLP_UNITS", "step_time", "price", "SYSTEMS", "check"]
+           "predict", "mlp", "MLP_UNITS", "gpt", "GPT_UNITS", "MODELS", "step_time", "price", "SYSTEMS", "predictions", "check"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -130,6 +134,54 @@ def mlp(width: int = 512, blocks: int = 8, batch: int = 32):
 MLP_UNITS = {_Block}  # its ZeRO units
 
 
+class _Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(x).split(d, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class _GPTBlock(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), _Attention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _GPT(nn.Module):
+    """nanoGPT's shape: token and position embeddings, blocks, a head tied to the embedding."""
+
+    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.Sequential(*[_GPTBlock(d, heads) for _ in range(layers)])
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def gpt(vocab: int = 512, seq: int = 64, d: int = 128, layers: int = 4, batch: int = 4):
+    """A small GPT (4 heads) and a batch of ``batch`` sequences of ``seq`` tokens."""
+    return _GPT(vocab, seq, d, 4, layers), torch.randint(0, vocab, (batch, seq))
+
+
+GPT_UNITS = {_GPTBlock}
+MODELS = {"mlp": (mlp, MLP_UNITS), "gpt": (gpt, GPT_UNITS)}  # --check --model's
+
+
 @dataclasses.dataclass
 class Run:
     """A few training steps of one system on this rank: the peak allocated bytes (the states
@@ -142,6 +194,15 @@ class Run:
     def median_s(self) -> float:
         return statistics.median(self.step_s)
 
+    def parts(self) -> dict[str, int]:
+        """What was alive at the peak, by where it was made (``file:function``), largest first:
+        the engine's buffers by its functions, the module's activations by its ``forward``s,
+        gradients by ``backpropagate``, the optimizer's state by ``update``."""
+        parts = collections.Counter()
+        for allocation in self.at_peak:
+            parts[allocation.site] += allocation.nbytes
+        return dict(parts.most_common())
+
 
 def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero) -> Run:
     """On the current process group: ``build()`` -> (module, batch) under a fixed seed, wrapped
@@ -152,10 +213,16 @@ def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero)
     square."""
     make = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-4))
 
-    def step() -> None:
-        model(batch).float().square().mean().backward()
+    def backpropagate(loss) -> None:  # (three functions: Run.parts names what each made)
+        loss.backward()
+
+    def update() -> None:
         opt.step()
         opt.zero_grad()
+
+    def step() -> None:
+        backpropagate(model(batch).float().square().mean())
+        update()
     with Allocations() as alloc:
         torch.manual_seed(0)
         module, batch = build()
@@ -212,6 +279,23 @@ def price(op: str, nbytes: int, world: int) -> float:
 SYSTEMS = ("ddp", 0, 1, 2, 3)  # --check's: torch's DDP, then minishard's stages
 
 
+def predictions(build, systems=SYSTEMS, timed: int = 10, **zero) -> list[Run]:
+    """Under torchrun, BEFORE the process group (a process has one default group, and a dry run
+    is one): this rank's :func:`predict` of each system. Every rank predicts its own peak; rank 0
+    alone then times its dry runs (N at once would time N processes sharing the cores), while
+    the others wait in ``init_process_group``. Outside torchrun: [] (launch.session refuses)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return []
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    torch.set_num_threads(1)  # as launch.session sets for the run
+    runs = [predict(build, system, world, rank, **zero) for system in systems]
+    if rank == 0:
+        runs = [dataclasses.replace(run, step_s=predict(build, system, world, rank, timed=timed,
+                                                       **zero).step_s)
+                for run, system in zip(runs, systems)]
+    return runs
+
+
 def name_of(system) -> str:
     return "DDP" if system == "ddp" else f"minishard stage {system}"
 
@@ -222,7 +306,7 @@ def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 10,
     bench/'s MLP by default) beside ``predicted``, this rank's :func:`predict` runs (made before
     the process group was: a dry run is a process's only one). A line a system: the peak
     allocated bytes on the rank where it is largest; and where ``predicted`` has step times
-    (rank 0's: timed alone, see plan.py), a line: this rank's median step time."""
+    (rank 0's: :func:`predictions`), a line: this rank's median step time."""
     lines = []
     for system, guess in zip(systems, predicted):
         run = train(build, system, timed=timed, **zero)
