@@ -166,6 +166,15 @@ def test_module_entry_point():
     assert table_rows(proc.stdout)[3][3] == "1.88 GB"
 
 
+def test_check_outside_torchrun_says_how_to_start_it():
+    """--check predicts and measures ranks: without torchrun it runs nothing and says so."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "minishard.plan", "--check"], capture_output=True,
+                          text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr  # launch.WRONG_WORLD_SIZE
+    assert "start it with torchrun" in proc.stderr + proc.stdout, (proc.stdout, proc.stderr)
+
+
 # ------------------------------------------------------------- parameter counts and headroom
 @pytest.mark.parametrize("text, value", [
     ("7B", 7e9), ("70b", 70e9), ("1.3e9", 1.3e9), ("1.3B", 1.3e9), ("350M", 350e6),

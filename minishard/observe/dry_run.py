@@ -20,9 +20,10 @@ wherever it occurs in the step, a bound; the peak is one moment, and which buffe
 that moment is the schedule's business (bench/RESULTS.md, "The planner beside a run").
 
 What it is not: a training. Point-to-point receives (the gloo reduce-scatter's exchange) come
-back as zeros, so the numbers are not a real run's; what gloo's worker threads keep alive after
-a collective is not imitated (up to a gathered unit at stage 3: tests/test_predict.py bounds it).
-The dry run spends this machine's memory for this rank's share, and its time.
+back as zeros, so the numbers are not a real run's. Nor a race: gloo's worker thread lets go of
+a collective's tensors just after the wait returns, and now and then a real peak holds them one
+moment more (one collective's buffers; tests/test_predict.py sizes its models past that). The
+dry run spends this machine's memory for this rank's share, and its time.
 """
 from __future__ import annotations
 
