@@ -121,7 +121,8 @@ def check_here(predicted_by_rank, build):
 
 def test_check_prints_each_system_predicted_beside_measured(pools):
     """``python -m minishard.plan --check``'s lines (observe/predict.py: check), on a small MLP
-    at 2 and 3 ranks: two a system, in the issue's format; the peaks within 5% of each other."""
+    at 2 and 3 ranks: two a system, in the issue's format; the peaks within 5% of each other,
+    the times within 3x (a shared CPU's two-step medians: a bound on gross errors only)."""
     build = MODELS["mlp"][0]
     for world in (2, 3):
         predicted = [[predict(build, s, world, rank, timed=2, units=MLP_UNITS) for s in SYSTEMS]
@@ -137,3 +138,5 @@ def test_check_prints_each_system_predicted_beside_measured(pools):
             assert predicted > 0 and measured > 0, line
             if "peak_allocated" in line:
                 assert abs(predicted - measured) <= 0.05 * measured, line
+            else:  # within 15% in bench/RESULTS.md's rounds, mostly; here: no order of magnitude
+                assert measured / 3 <= predicted <= 3 * measured, line
