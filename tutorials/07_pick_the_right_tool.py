@@ -215,7 +215,8 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
         "holds). (3) The dry run then matched to the byte, except now and then by one "
         "collective's buffers: gloo's worker thread lets go of them just after the wait "
         "returns, a race no schedule predicts. That is why this part's batch is 1024: at 16 "
-        "rows one gathered unit is 7-10% of the peak, at 1024 under 1%. A prediction that fails is a question for "
+        "rows one gathered unit is 7-10% of the peak, at 1024 under 1%. "
+        "A prediction that fails is a question for "
         "both sides.", 100))
     say("All assertions held.")
 

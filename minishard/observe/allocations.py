@@ -70,9 +70,8 @@ class Allocations(TorchDispatchMode):
     """Bytes allocated since entry and still alive (``now``), their maximum (``peak``) and what
     was alive at that maximum (``at_peak``: the counted storages, largest first)."""
 
-    def __init__(self, meta: bool = False) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.meta = meta  # count tensors on the meta device too: a forward's bytes, none spent
         self.now = self.peak = 0
         self.at_peak: list[Allocation] = []
         self._live: dict[int, tuple[weakref.ref, Allocation]] = {}  # storage key -> (ref, record)
@@ -129,13 +128,13 @@ class Allocations(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = {}
         for t in _plain(tree_leaves((args, kwargs))):
-            if self.meta or not t.is_meta:
+            if not t.is_meta:
                 inputs[t.untyped_storage()._cdata] = (t.untyped_storage(), t.untyped_storage().nbytes())
         if func.overloadpacket in _LIFTS:  # torch.tensor(data): its storage was made just now,
             inputs = {}                    # outside any operator, and is handed over as is
         out = func(*args, **kwargs)
         for t in _plain(tree_leaves(out)):
-            if t.is_meta and not self.meta:
+            if t.is_meta:
                 continue
             storage = t.untyped_storage()
             key = storage._cdata

@@ -45,7 +45,8 @@ from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
-           "predict", "mlp", "MLP_UNITS", "gpt", "GPT_UNITS", "MODELS", "step_time", "price", "SYSTEMS", "predictions", "check"]
+           "predict", "step_time", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
+           "gpt", "GPT_UNITS", "MODELS"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -279,7 +280,7 @@ def price(op: str, nbytes: int, world: int) -> float:
 SYSTEMS = ("ddp", 0, 1, 2, 3)  # --check's: torch's DDP, then minishard's stages
 
 
-def predictions(build, systems=SYSTEMS, timed: int = 10, **zero) -> list[Run]:
+def predictions(build, systems=SYSTEMS, timed: int = 20, **zero) -> list[Run]:
     """Under torchrun, BEFORE the process group (a process has one default group, and a dry run
     is one): this rank's :func:`predict` of each system. Every rank predicts its own peak; rank 0
     alone then times its dry runs (N at once would time N processes sharing the cores), while
@@ -300,7 +301,7 @@ def name_of(system) -> str:
     return "DDP" if system == "ddp" else f"minishard stage {system}"
 
 
-def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 10,
+def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 20,
           **zero) -> list[str]:
     """Under a process group: each of ``systems`` trained here (:func:`train`, on ``build()``,
     bench/'s MLP by default) beside ``predicted``, this rank's :func:`predict` runs (made before
