@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
-from minishard import MixedPrecision, ZeRO
+from minishard import MixedPrecision, ZeRO, comm
 from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, check, gpt, mlp,
                                        plan_buffers, predict, predict_memory, train)
 from test_memory_wall import Block, Net
@@ -113,6 +113,19 @@ def test_a_dry_run_needs_a_process_of_its_own(pools):
     """The default process group is one a process: refused, saying what to do, where one is."""
     with pytest.raises(RuntimeError, match="before init_process_group"):
         pools(2).run(predict, MODELS["mlp"][0], 0, 2, 0)
+
+
+def test_a_dry_run_under_debug_mode_predicts_the_same_peak():
+    """MINISHARD_DEBUG's check compares the ranks' collectives; in a dry run there is one rank,
+    which agrees with itself: the check is off inside, back on after."""
+    build = MODELS["mlp"][0]
+    plain, was = predict(build, 3, 3, 1, units=MLP_UNITS).peak, comm._debug["on"]
+    comm.set_debug(True)
+    try:
+        assert predict(build, 3, 3, 1, units=MLP_UNITS).peak == plain
+        assert comm._debug["on"]
+    finally:
+        comm.set_debug(was)
 
 
 def check_here(predicted_by_rank, build):

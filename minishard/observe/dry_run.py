@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from minishard import comm
+
 __all__ = ["Mirror", "Call", "dry_run"]
 
 
@@ -122,19 +124,10 @@ class Mirror(dist.ProcessGroup):
                 t.copy_(mine)
         return self._done("broadcast", tensors, land)
 
-    def allgather(self, outputs, inputs, opts=None):
+    def allgather(self, outputs, inputs, opts=None):  # DDP's, when it is built
         for out in outputs[0]:
             out.copy_(inputs[0])
         return self._done("allgather", outputs[0])
-
-    def _allgather_base(self, output, input, opts=None):
-        output.view(self._world, -1).copy_(input.reshape(1, -1))
-        return self._done("allgather", [output])
-
-    def _reduce_scatter_base(self, output, input, opts=None):
-        output.copy_(input.view(self._world, -1)[self._rank].view_as(output))
-        self._reduced(output, opts.reduceOp)
-        return self._done("reduce_scatter", [input])
 
     def send(self, tensors, dst, tag):
         return self._done("send", tensors)
@@ -164,7 +157,10 @@ def dry_run(world: int, rank: int = 0):
     dist.init_process_group("mirror", store=dist.HashStore(), rank=rank, world_size=world)
     mirror, worlds = dist.group.WORLD, dist.distributed_c10d._world.pg_map
     worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
+    debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
+    comm.set_debug(False)
     try:
         yield mirror
     finally:
+        comm.set_debug(debug)
         dist.destroy_process_group()

@@ -271,7 +271,6 @@ def price(op: str, nbytes: int, world: int) -> float:
     n = world
     messages, sent = {"allreduce": (2 * (n - 1), 2 * (n - 1) * nbytes / n),
                       "allgather": (n - 1, (n - 1) * nbytes / n),
-                      "reduce_scatter": (n - 1, (n - 1) * nbytes / n),
                       "broadcast": (1, (n - 1) * nbytes / n),
                       "send": (1, nbytes)}.get(op, (0, 0))
     return messages * comm.ALPHA + sent * comm.BETA
