@@ -276,7 +276,7 @@ MUTANTS = {
           "FlatMode.OWN else self.full_bytes)", "        return shard + self.full_bytes")],
         ["tests/test_predict.py::test_the_plan_is_the_engine_buffer_by_buffer"]),
     "dry_run_skips_the_gloo_paths": (
-        "a dry run takes the flat collectives' paths: comm's exchange buffers go uncounted",
+        "a dry run takes the flat collectives' paths (not gloo's, whose buffers it must count)",
         [("minishard/observe/dry_run.py", "    worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])",
           "    pass  # ")],
         ["tests/test_predict.py::test_a_dry_run_predicts_every_ranks_peak_within_5_percent"]),

@@ -41,15 +41,16 @@ def plan_and_engine(width, depth, stage, mp, prefetch, bucket, persist, find_unu
     config = dict(units={Block}, mixed_precision=MP[mp], persist_below=persist)
     meta = copy.deepcopy(net).to("meta")
     plan = plan_buffers(meta, stage, world, rank, **config)
-    predicted = predict_memory(meta, stage, world, rank, optimizer=optimizer, prefetch=prefetch,
+    predicted = predict_memory(meta, stage, world, rank, optimizer=optimizer[0], prefetch=prefetch,
                                bucket_bytes=bucket, find_unused=find_unused, **config)
     model = ZeRO(net, stage=stage, prefetch=prefetch, bucket_bytes=bucket,
                  find_unused_parameters=find_unused, **config)
     built = [(u.module is model.module, [{k: getattr(f, k) for k in FIELDS} for f in u.flats])
              for u in model.units]
     planned = [(root, [{k: getattr(b, k) for k in FIELDS} for b in bs]) for root, bs in plan]
-    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
-            "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}[optimizer]
+    kind, foreach = optimizer
+    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=foreach),
+            "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=foreach)}[kind]
     opt = make(model.parameters())
     model(torch.randn(3, width)).sum().backward()
     opt.step()
@@ -62,7 +63,7 @@ def plan_and_engine(width, depth, stage, mp, prefetch, bucket, persist, find_unu
        stage=st.sampled_from([0, 1, 2, 3]), mp=st.sampled_from(sorted(MP)),
        prefetch=st.booleans(), bucket=st.sampled_from([0, 2000]),
        persist=st.sampled_from([0, 24]), find_unused=st.booleans(),
-       optimizer=st.sampled_from(["adam", "sgd"]))
+       optimizer=st.tuples(st.sampled_from(["adam", "sgd"]), st.booleans()))  # (kind, foreach)
 def test_the_plan_is_the_engine_buffer_by_buffer(pools, ws, width, depth, stage, mp, prefetch,
                                                   bucket, persist, find_unused, optimizer):
     find_unused = find_unused and stage < 3  # (refused at stage 3)
