@@ -45,7 +45,7 @@ from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
-           "predict", "step_time", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
+           "train_all", "predict", "step_time", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
            "gpt", "GPT_UNITS", "MODELS"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
@@ -212,6 +212,33 @@ def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero)
     ``Allocations`` (from before the module is built), then ``timed`` steps under a clock.
     ``optimizer(params)``: torch.optim.Adam by default (lr 1e-4). The loss: the output's mean
     square."""
+    return train_all(build, [system], steps, timed, optimizer, **zero)[0]
+
+
+def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None,
+              **zero) -> list[Run]:
+    """:func:`train` for each of ``systems``, the peaks one system at a time, then the timed
+    steps taken in turns (a step of each, ``timed`` times): this machine's drift moves every
+    system's time alike, so their order is the systems', not the minute's."""
+    runs, steps_of = [], []
+    for system in systems:
+        run, step = _trained(build, system, steps, optimizer, **zero)
+        runs.append(run)
+        steps_of.append(step)
+    calls = getattr(dist.group.WORLD, "calls", None)  # a dry run's: predicted
+    for _ in range(timed):
+        for run, step in zip(runs, steps_of):
+            dist.barrier()
+            first, start = len(calls or ()), time.perf_counter()
+            step()
+            seconds = time.perf_counter() - start
+            run.step_s.append(seconds if calls is None else
+                              step_time(calls[first:], seconds, dist.get_world_size()))
+    return runs
+
+
+def _trained(build, system, steps: int, optimizer, **zero):
+    """(its Run, untimed yet; its step)."""
     make = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-4))
 
     def backpropagate(loss) -> None:  # (three functions: Run.parts names what each made)
@@ -234,15 +261,7 @@ def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero)
         alloc.reset_peak()
         for _ in range(steps):
             step()
-    times, calls = [], getattr(dist.group.WORLD, "calls", None)  # a dry run's: predicted
-    for _ in range(timed):
-        dist.barrier()
-        first, start = len(calls or ()), time.perf_counter()
-        step()
-        seconds = time.perf_counter() - start
-        times.append(seconds if calls is None else
-                     step_time(calls[first:], seconds, dist.get_world_size()))
-    return Run(alloc.peak, alloc.at_peak, times)
+    return Run(alloc.peak, alloc.at_peak, []), step
 
 
 def predict(build, system, world: int, rank: int = 0, **kwargs) -> Run:
@@ -281,19 +300,15 @@ SYSTEMS = ("ddp", 0, 1, 2, 3)  # --check's: torch's DDP, then minishard's stages
 
 def predictions(build, systems=SYSTEMS, timed: int = 20, **zero) -> list[Run]:
     """Under torchrun, BEFORE the process group (a process has one default group, and a dry run
-    is one): this rank's :func:`predict` of each system. Every rank predicts its own peak; rank 0
-    alone then times its dry runs (N at once would time N processes sharing the cores), while
-    the others wait in ``init_process_group``. Outside torchrun: [] (launch.session refuses)."""
+    is one): this rank's dry run of every system (:func:`train_all`). Every rank predicts its own
+    peak; rank 0 alone times its steps (N at once would time N processes sharing the cores),
+    while the others wait in ``init_process_group``. Outside torchrun: [] (launch.session refuses)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return []
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.set_num_threads(1)  # as launch.session sets for the run
-    runs = [predict(build, system, world, rank, **zero) for system in systems]
-    if rank == 0:
-        runs = [dataclasses.replace(run, step_s=predict(build, system, world, rank, timed=timed,
-                                                       **zero).step_s)
-                for run, system in zip(runs, systems)]
-    return runs
+    with dry_run(world, rank):
+        return train_all(build, systems, timed=timed if rank == 0 else 0, **zero)
 
 
 def name_of(system) -> str:
@@ -308,8 +323,8 @@ def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 20,
     allocated bytes on the rank where it is largest; and where ``predicted`` has step times
     (rank 0's: :func:`predictions`), a line: this rank's median step time."""
     lines = []
-    for system, guess in zip(systems, predicted):
-        run = train(build, system, timed=timed, **zero)
+    for system, guess, run in zip(systems, predicted, train_all(build, systems, timed=timed,
+                                                                 **zero)):
         peaks = torch.tensor([guess.peak, run.peak], dtype=torch.float64)
         comm.all_reduce(peaks, "max", tag="plan --check")
         name = name_of(system)
