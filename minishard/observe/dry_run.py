@@ -29,10 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 import weakref
+from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
 from torch.futures import Future
 
 from minishard import comm
@@ -42,22 +45,31 @@ __all__ = ["Mirror", "Call", "dry_run"]
 
 @dataclasses.dataclass
 class Call:
-    """One call the backend got: its kind and the bytes of its tensors."""
+    """One call the backend got: its kind, the bytes of its tensors, the collective of comm.py
+    that made it (``what``: "all_gather blocks.3"; "" for a caller outside comm: DDP's; ``of``:
+    its number, this process's n-th of comm.py's collectives; 0 outside comm), when
+    it was issued and first waited for (``perf_counter``; DDP's, made in backward: when backward
+    ends, where DDP's reducer waits for them; None: not waited yet)."""
     op: str
     nbytes: int
+    what: str = ""
+    issued: float = 0.0
+    waited: float | None = None
+    of: int = 0
 
 
 class _Done(dist.Work):
     """A collective already complete; ``then`` runs at the first ``wait()``."""
 
-    def __init__(self, result, then=None) -> None:
+    def __init__(self, result, call: Call, then=None) -> None:
         super().__init__()
-        self._result, self._then = result, then
+        self._result, self._call, self._then = result, call, then
 
     def wait(self, timeout=None) -> bool:
         if self._then is not None:
             self._then()
             self._then = None
+        _waited(self._call)
         return True
 
     def is_completed(self) -> bool:
@@ -72,6 +84,11 @@ class _Done(dist.Work):
         return future
 
 
+def _waited(call: Call) -> None:
+    if call.waited is None:
+        call.waited = time.perf_counter()
+
+
 class Mirror(dist.ProcessGroup):
     """``world`` ranks, of which only ``rank`` exists: each collective's result is what it would
     be if every rank had sent this rank's tensors."""
@@ -83,10 +100,26 @@ class Mirror(dist.ProcessGroup):
         self._rank, self._world = rank, world
         self._sent: dict[int, weakref.ref] = {}  # storage -> this rank's slice, broadcast by it
         self.calls: list[Call] = []  # every call, in order: observe/predict.py times a step
+        self._what, self._of, self._issued = "", 0, 0  # the comm.py collective issuing now
 
     def _done(self, op: str, tensors, then=None) -> _Done:
-        self.calls.append(Call(op, sum(t.numel() * t.element_size() for t in tensors)))
-        return _Done(tensors, then)
+        call = Call(op, sum(t.numel() * t.element_size() for t in tensors), self._what,
+                    time.perf_counter(), of=self._of)
+        self.calls.append(call)
+        if not self._what and torch._C._current_graph_task_id() != -1:  # DDP's, in backward:
+            Variable._execution_engine.queue_callback(partial(_waited, call))  # waited at its end
+        return _Done(tensors, call, then)
+
+    # comm.py's observer (comm.set_observer): which collective the backend calls between are for
+    def issued(self, entry) -> None:
+        self._issued += 1
+        self._what, self._of = f"{entry.op} {entry.tag}".strip(), self._issued
+
+    def started(self, works) -> None:
+        self._what, self._of = "", 0
+
+    def waited(self, works, start: float, end: float) -> None:
+        pass
 
     def size(self) -> int:
         return self._world
@@ -159,8 +192,10 @@ def dry_run(world: int, rank: int = 0):
     worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
     debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
     comm.set_debug(False)
+    comm.set_observer(mirror)
     try:
         yield mirror
     finally:
+        comm.set_observer(None)
         comm.set_debug(debug)
         dist.destroy_process_group()
