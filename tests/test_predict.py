@@ -22,8 +22,11 @@ import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from minishard import MixedPrecision, ZeRO, comm
-from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, check, gpt, mlp,
-                                       plan_buffers, predict, predict_memory, train)
+from minishard.observe import plan
+from minishard.observe.dry_run import Call
+from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, DryStep, check, gpt, mlp,
+                                       plan_buffers, predict, predict_memory, price, timeline,
+                                       train)
 from test_memory_wall import Block, Net
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -154,3 +157,118 @@ def test_check_prints_each_system_predicted_beside_measured(pools):
                 assert abs(predicted - measured) <= 0.05 * measured, line
             else:  # within 15% in bench/RESULTS.md's rounds, mostly; here: no order of magnitude
                 assert measured / 3 <= predicted <= 3 * measured, line
+
+
+# ----------------------------------------------------------------------------- the timeline
+def collectives(draw_calls, start, seconds):
+    """Drawn (op, bytes, of, issue fraction, wait fraction or None) -> dry_run.Calls, in issue
+    order, as a dry run records them (perf_counter times from ``start``; ``of``: 0, a call from
+    outside comm.py, else its collective's number: neighbours alike are one collective)."""
+    calls = []
+    for op, nbytes, of, at, wait in sorted(draw_calls, key=lambda c: c[3]):
+        issued = start + at * seconds
+        calls.append(Call(op, nbytes, f"c{of}" if of else "", issued,
+                          None if wait is None else issued + wait * (start + seconds - issued),
+                          of))
+    return calls
+
+
+CALLS = st.lists(st.tuples(st.sampled_from(["allreduce", "broadcast", "send", "recv"]),
+                           st.integers(0, 4 << 20), st.integers(0, 2), st.floats(0, 1),
+                           st.one_of(st.none(), st.floats(0, 1))), max_size=8)
+
+
+@given(calls=CALLS, seconds=st.floats(1e-4, 0.5), world=st.integers(1, 4))
+def test_a_timeline_lays_out_the_step_by_each_rule(calls, seconds, world):
+    step = DryStep(100.0, seconds, collectives(calls, 100.0, seconds))
+    shared, eps = max(1, world / 2), 1e-9
+    priced = shared * sum(price(c.op, c.nbytes, world) for c in step.calls)
+    for wire in (False, True):
+        spans = timeline(step, world, wire, cores=2)
+        compute = [s for s in spans if s.what == "compute"]
+        talk = [s for s in spans if s.what != "compute"]
+        end = max(s.start + s.seconds for s in spans)
+        assert sum(s.seconds for s in compute) == pytest.approx(shared * seconds)
+        assert sum(s.seconds for s in talk) == pytest.approx(priced, abs=eps)
+        for lane in (compute, talk):  # the computation one at a time; the wire one at a time
+            assert all(a.start + a.seconds <= b.start + eps for a, b in zip(lane, lane[1:]))
+        assert all(-eps <= s.exposed <= s.seconds + eps for s in talk)
+        # every second the rank waited is a second some collective was exposed
+        assert end == pytest.approx(shared * seconds + sum(s.exposed for s in talk), abs=eps)
+        if not wire:  # this machine: every byte's price exposed, the cores moving it
+            assert end == pytest.approx(shared * seconds + priced, abs=eps)
+            assert all(s.exposed == s.seconds for s in talk)
+        else:  # a link of its own hides what lands before the engine waits for it
+            assert end <= shared * seconds + priced + eps
+
+
+def test_a_timeline_by_hand():
+    """Worked by hand: a 10 ms step on 2 ranks (2 cores), sends priced 3 ms each; a call
+    (collective, issued, waited[, its number: else one per name])."""
+    three = round((3e-3 - comm.ALPHA) / comm.BETA)  # a send's bytes priced 3 ms
+    p = price("send", three, 2)
+    assert p == pytest.approx(3e-3)
+
+    def layout(*calls, wire):
+        calls = [Call("send", three, *c[:3], of=c[3] if len(c) > 3 else ord(c[0])) for c in calls]
+        spans = timeline(DryStep(0.0, 10e-3, calls), 2, wire, cores=2)
+        return [(s.what, round(s.start * 1e3, 3), round(s.seconds * 1e3, 3),
+                 round(s.exposed * 1e3, 3)) for s in spans]
+    waited_at_once = ("a", 2e-3, 2e-3)
+    assert layout(waited_at_once, wire=False) == layout(waited_at_once, wire=True) == [
+        ("compute", 0, 2, 0), ("a", 2, 3, 3), ("compute", 5, 8, 0)]
+    landed_first = ("a", 2e-3, 6e-3)  # waited 4 ms after its issue: landed after 3
+    assert layout(landed_first, wire=True) == [("compute", 0, 10, 0), ("a", 2, 3, 0)]
+    assert layout(landed_first, wire=False) == [("compute", 0, 2, 0), ("a", 2, 3, 3),
+                                                 ("compute", 5, 8, 0)]
+    # b queues behind a on the wire (a lands at 4 ms, b at 7); waiting for b at 2 ms blocks
+    # 5 ms: a's last 2 on the wire, then b's 3
+    queued = [("a", 1e-3, 9e-3), ("b", 1e-3, 2e-3)]
+    assert layout(*queued, wire=True) == [("compute", 0, 2, 0), ("a", 1, 3, 2),
+                                          ("b", 4, 3, 3), ("compute", 7, 8, 0)]
+    # two backend calls of one collective (an all-gather's broadcasts): one span, both prices
+    assert layout(("g", 1e-3, 1e-3), ("g", 1e-3, 1e-3), wire=False) == [
+        ("compute", 0, 1, 0), ("g", 1, 6, 6), ("compute", 7, 9, 0)]
+    # the same collective again (a unit's gather in forward, then in backward): two spans
+    assert layout(("g", 1e-3, 1e-3, 1), ("g", 2e-3, 2e-3, 2), wire=False)[1:4:2] == [
+        ("g", 1, 3, 3), ("g", 5, 3, 3)]
+
+
+def test_a_dry_runs_waits_are_the_engines():
+    """The timeline's overlap is read from the engine's own waits in the dry run: at stage 3 the
+    forward waits for a gather as soon as it is issued, unless prefetch issues it a unit early
+    (the forward of that unit hides it, on a link of its own); DDP's buckets are waited when
+    backward ends, as DDP's reducer does. Every backend call of comm.py carries its collective."""
+    build = functools.partial(mlp, 256, 4, 256)
+
+    def gathers(prefetch):
+        run = predict(build, 3, 2, 0, timed=3, units=MLP_UNITS, prefetch=prefetch)
+        step = run.dry_steps[-1]
+        assert all(c.what.split(" ")[0] in ("all_gather", "reduce_scatter")
+                   and c.waited >= c.issued for c in step.calls), step.calls
+        spans = timeline(step, 2, wire=True)
+        backward = min(s.start for s in spans if s.what.startswith("reduce_scatter"))
+        forward = [s for s in spans if s.what.startswith("all_gather") and s.start < backward]
+        return sum(s.exposed for s in forward), sum(s.seconds for s in forward)
+    exposed, priced = gathers(prefetch=False)
+    assert exposed >= 0.9 * priced, (exposed, priced)
+    assert gathers(prefetch=True)[0] <= 0.8 * exposed
+    ddp = predict(build, "ddp", 2, 0, timed=1).dry_steps[-1].calls
+    assert ddp and all(c.what == "" and c.waited >= ddp[-1].issued for c in ddp), ddp
+
+
+def test_the_timeline_command_prints_the_systems_and_each_ranks_step(capsys):
+    plan.main(["--timeline", "3", "--ranks", "2"])
+    plan.main(["--timeline", "ddp", "--ranks", "3", "--wire", "--model", "gpt"])
+    first, second = capsys.readouterr().out.split("Predicted on 3 ranks")
+    for out, world, shown in ((first, 2, "minishard stage 3"), (second, 3, "DDP")):
+        rows = {line[:18].strip(): [float(x) for x in line[18:].replace("|", "").split()]
+                for line in out.splitlines() if line[:18].strip() in (
+                    "DDP", *(f"minishard stage {s}" for s in range(4)))}
+        assert len(rows) == 5, out
+        for compute, talk, step, exposed, own in rows.values():
+            assert 0 < compute <= step <= compute + talk + 1e-2  # (printed to 0.01 ms)
+            assert 0 <= exposed <= talk + 1e-2 and own <= step + 1e-2
+        for rank in range(world):
+            assert f"{shown}, rank {rank} of {world}, its median step" in out
+        assert "all_gather" in first and "reduce_scatter" in first and "allreduce" in second

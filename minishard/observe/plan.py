@@ -409,17 +409,27 @@ def _check_ranks(parser, args) -> bool:
     return multi
 
 
+def _dry_run_arguments(parser) -> None:
+    """--check and --timeline: the step run here, in dry runs (observe/predict.py)."""
+    parser.add_argument("--check", action="store_true",
+                        help="under torchrun: predict a model's step (peak allocated bytes, step "
+                             "time) with DDP and stages 0-3 and measure it here "
+                             "(observe/predict.py)")
+    parser.add_argument("--timeline", metavar="SYSTEM", choices=("ddp", "0", "1", "2", "3"),
+                        help="dry runs here of --model on --ranks (default 2) ranks: DDP and "
+                             "stages 0-3 predicted, and SYSTEM's step on every rank, in time")
+    parser.add_argument("--wire", action="store_true",
+                        help="--timeline as if collectives had a link of their own (a GPU's)")
+    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
+                        help="--check's, --timeline's model: bench/'s MLP or a small GPT")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minishard.plan",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
-    parser.add_argument("--check", action="store_true",
-                        help="under torchrun: predict a model's step (peak allocated bytes, step "
-                             "time) with DDP and stages 0-3 and measure it here "
-                             "(observe/predict.py)")
-    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
-                        help="--check's model: bench/'s MLP (default) or a small GPT")
+    _dry_run_arguments(parser)
     parser.add_argument("--params", type=_arg(parse_count), help="parameters: 7B, 70b, 350M, 1.3e9")
     parser.add_argument("--ranks", type=int, help="data-parallel ranks (devices), one node")
     parser.add_argument("--nodes", type=int, help="nodes (with --ranks-per-node)")
@@ -441,10 +451,12 @@ def main(argv: list[str] | None = None) -> None:
     shape.add_argument("--checkpointing", action="store_true",
                        help="full activation checkpointing (recompute each layer in backward)")
     args = parser.parse_args(argv)
-    if args.check:
-        return _check(args.model)
+    if args.check or args.timeline:
+        from minishard.observe import predict  # (the engine: only for these)
+        return (predict.check_here(args.model) if args.check else
+                predict.print_timeline(args.model, args.ranks or 2, args.timeline, args.wire))
     if args.params is None or args.memory is None:
-        parser.error("give --params and --memory (or --check, under torchrun)")
+        parser.error("give --params and --memory (or --timeline, or --check under torchrun)")
     if args.params <= 0 or args.memory <= 0:
         parser.error("--params and --memory must be positive")
     if not 0 <= args.replicated <= args.params:
@@ -469,17 +481,6 @@ def main(argv: list[str] | None = None) -> None:
     per_node = args.ranks_per_node if multi else args.ranks
     print(report(args.params, per_node, args.memory, args.optimizer, args.mixed_precision,
                  headroom, shape_d, args.nodes if multi else None, args.replicated))
-
-
-def _check(model: str) -> None:
-    from minishard.launch import session
-    from minishard.observe.predict import MODELS, check, predictions
-    build, units = MODELS[model]
-    predicted = predictions(build, units=units)  # dry runs: before the process group
-    with session() as (rank, _):
-        lines = check(predicted, build, units=units)
-        if rank == 0:
-            print("\n".join(lines))
 
 
 if __name__ == "__main__":

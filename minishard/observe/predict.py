@@ -45,7 +45,7 @@ from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
-           "train_all", "predict", "step_time", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
+           "train_all", "predict", "DryStep", "Span", "timeline", "step_time", "timelines", "describe", "check_here", "print_timeline", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
            "gpt", "GPT_UNITS", "MODELS"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
@@ -190,6 +190,7 @@ class Run:
     peak: int
     at_peak: list
     step_s: list[float]
+    dry_steps: list["DryStep"] = dataclasses.field(default_factory=list)  # a dry run's
 
     @property
     def median_s(self) -> float:
@@ -232,8 +233,11 @@ def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None,
             first, start = len(calls or ()), time.perf_counter()
             step()
             seconds = time.perf_counter() - start
-            run.step_s.append(seconds if calls is None else
-                              step_time(calls[first:], seconds, dist.get_world_size()))
+            if calls is None:
+                run.step_s.append(seconds)
+            else:
+                run.dry_steps.append(DryStep(start, seconds, calls[first:]))
+                run.step_s.append(step_time(run.dry_steps[-1], dist.get_world_size()))
     return runs
 
 
@@ -271,17 +275,90 @@ def predict(build, system, world: int, rank: int = 0, **kwargs) -> Run:
         return train(build, system, **kwargs)
 
 
-def step_time(calls, seconds: float, world: int, cores: int | None = None) -> float:
-    """A step's seconds on ``world`` ranks of this machine, from a dry run of it that took
-    ``seconds`` and made the backend ``calls``: its computation, plus each call at comm's
-    alpha-beta price (:func:`price`), times ``world / cores`` when the ranks outnumber the cores.
+@dataclasses.dataclass
+class DryStep:
+    """A timed step of a dry run: when it started (``perf_counter``), its seconds, and the
+    backend calls it made (observe/dry_run.py's ``Call``: when each was issued and waited)."""
+    start: float
+    seconds: float
+    calls: list
 
-    Added, not overlapped: on a CPU the cores that compute also move every byte (gloo copies it
-    to and from the sockets), so communication hidden behind computation slows that computation
-    as much (bench/RESULTS.md, "The planner beside a run": the time a rank waits is about the
-    communication's price, and its computation grows by about as much when waiting less)."""
+
+@dataclasses.dataclass
+class Span:
+    """A stretch of one rank's predicted step: computing ("compute"), or one collective (its
+    backend calls together: "all_gather blocks.3"; DDP's bucket "allreduce"); seconds from the
+    step's start; ``exposed``: the seconds of it the rank spent waiting."""
+    what: str
+    start: float
+    seconds: float
+    exposed: float = 0.0
+
+
+def timeline(step: DryStep, world: int, wire: bool = False,
+             cores: int | None = None) -> list[Span]:
+    """One rank's step on ``world`` ranks, from a dry run of it: the computation as the dry run
+    timed it, each collective at :func:`price`, laid out by one of two rules:
+
+    wire=False   this machine's: the cores that compute also move every byte (gloo copies it to
+                 and from the sockets), so a collective stops the computation for its price, all
+                 of it exposed (measured: bench/RESULTS.md, "The planner beside a run")
+    wire=True    a link of its own (NCCL on a GPU): collectives run one after another from their
+                 issue while the computation goes on; the rank waits where the engine waited in
+                 the dry run, for what has not landed by then: that is the exposed part
+
+    Either way, times ``world / cores`` when the ranks outnumber the cores. A call made outside
+    comm.py in backward (DDP's buckets) is waited when backward ends, where DDP waits for it."""
+    collectives, of = [], 0  # [what, issued, waited, price], from the step's start
+    for call in step.calls:
+        waited = step.seconds if call.waited is None else call.waited - step.start
+        cost = price(call.op, call.nbytes, world)
+        if call.of and call.of == of:  # another backend call of comm.py's collective
+            collectives[-1][2:] = max(collectives[-1][2], waited), collectives[-1][3] + cost
+        else:
+            collectives.append([call.what or call.op, call.issued - step.start, waited, cost])
+        of = call.of
+    spans = (_on_own_wire if wire else _stopping)(collectives, step.seconds)
     shared = max(1.0, world / (cores or len(os.sched_getaffinity(0))))
-    return shared * (seconds + sum(price(c.op, c.nbytes, world) for c in calls))
+    return sorted((Span(s.what, s.start * shared, s.seconds * shared, s.exposed * shared)
+                   for s in spans if s.seconds > 0), key=lambda s: s.start)
+
+
+def _stopping(collectives, seconds: float) -> list[Span]:
+    """Each collective stops the computation for its price where it is issued."""
+    spans, done, delay = [], 0.0, 0.0  # done: the dry run's seconds laid out; delay: added
+    for what, issued, _, cost in collectives:
+        spans += [Span("compute", done + delay, issued - done),
+                  Span(what, issued + delay, cost, exposed=cost)]
+        done, delay = issued, delay + cost
+    return spans + [Span("compute", done + delay, seconds - done)]
+
+
+def _on_own_wire(collectives, seconds: float) -> list[Span]:
+    """Collectives one after another on the wire from their issue; the computation stops only
+    where it waits for one that has not landed, and what is on the wire meanwhile is exposed."""
+    spans, done, delay, free, on_wire = [], 0.0, 0.0, 0.0, {}
+    events = sorted([(c[1], 0, i) for i, c in enumerate(collectives)] +
+                    [(c[2], 1, i) for i, c in enumerate(collectives)])  # issues first at a tie
+    for at, is_wait, i in events:
+        what, _, _, cost = collectives[i]
+        if not is_wait:
+            on_wire[i] = Span(what, max(free, at + delay), cost)
+            free = on_wire[i].start + cost
+            spans.append(on_wire[i])
+            continue
+        landed, now = on_wire[i].start + cost, at + delay
+        if landed > now:  # blocked until then
+            spans.append(Span("compute", done + delay, at - done))
+            for s in on_wire.values():
+                s.exposed += max(0.0, min(landed, s.start + s.seconds) - max(now, s.start))
+            done, delay = at, delay + landed - now
+    return spans + [Span("compute", done + delay, seconds - done)]
+
+
+def step_time(step: DryStep, world: int, wire: bool = False, cores: int | None = None) -> float:
+    """A step's seconds on ``world`` ranks: where its :func:`timeline` ends."""
+    return max(s.start + s.seconds for s in timeline(step, world, wire, cores))
 
 
 def price(op: str, nbytes: int, world: int) -> float:
@@ -334,3 +411,67 @@ def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 20,
             lines.append(f"{name} step_time predicted={1e3 * guess.median_s:.2f} "
                          f"measured={1e3 * run.median_s:.2f}")
     return lines
+
+
+def timelines(build, world: int, systems=SYSTEMS, timed: int = 10, **zero) -> list[list[Run]]:
+    """Every rank's dry run of each system, one rank after another in this process (no torchrun,
+    no process group): [rank][system] -> its Run, with ``timed`` dry steps."""
+    torch.set_num_threads(1)  # as launch.session sets for a rank
+    runs = []
+    for rank in range(world):
+        with dry_run(world, rank):
+            runs.append(train_all(build, systems, timed=timed, **zero))
+    return runs
+
+
+def describe(runs: list[list[Run]], systems=SYSTEMS, shown=3, wire: bool = False) -> list[str]:
+    """``python -m minishard.plan --timeline``'s report of :func:`timelines`: a table, each system
+    at its slowest rank's median step, by both rules; then ``shown``'s timeline on every rank."""
+    world = len(runs)
+
+    def median(run: Run) -> DryStep:
+        return sorted(run.dry_steps, key=lambda s: step_time(s, world))[len(run.dry_steps) // 2]
+
+    def sums(step: DryStep, on_wire: bool) -> tuple[float, float, float, float]:
+        spans = timeline(step, world, on_wire)
+        talk = [s for s in spans if s.what != "compute"]
+        return (sum(s.seconds for s in spans if s.what == "compute"),
+                sum(s.seconds for s in talk), sum(s.exposed for s in talk),
+                max(s.start + s.seconds for s in spans))
+    lines = [f"Predicted on {world} ranks (dry runs here, ms; each system's slowest rank, its "
+             "median step):",
+             f"{'':18}{'compute':>9}{'comm':>9}{'step':>9}  | a link of its own:"
+             f"{'exposed':>9}{'step':>9}"]
+    for i, system in enumerate(systems):
+        slowest = max((median(rank[i]) for rank in runs), key=lambda s: step_time(s, world))
+        compute, talk, _, step = sums(slowest, False)
+        _, _, exposed, own = sums(slowest, True)
+        lines.append(f"{name_of(system):18}{1e3 * compute:9.2f}{1e3 * talk:9.2f}{1e3 * step:9.2f}"
+                     f"  | {'':17}{1e3 * exposed:9.2f}{1e3 * own:9.2f}")
+    rule = ("a link of its own: collectives run beside the computation, which waits where the "
+            "engine waits" if wire else "this machine's: each collective stops the computation")
+    for rank, by_system in enumerate(runs):
+        lines += ["", f"{name_of(shown)}, rank {rank} of {world}, its median step ({rule}):",
+                  f"{'start ms':>10}{'ms':>9}{'exposed':>9}  what"]
+        for s in timeline(median(by_system[list(systems).index(shown)]), world, wire):
+            exposed = f"{1e3 * s.exposed:9.2f}" if s.what != "compute" else " " * 9
+            lines.append(f"{1e3 * s.start:10.2f}{1e3 * s.seconds:9.2f}{exposed}  {s.what}")
+    return lines
+
+
+def check_here(model: str) -> None:
+    """``python -m minishard.plan --check --model MODEL`` (under torchrun): :func:`check`."""
+    from minishard.launch import session
+    build, units = MODELS[model]
+    predicted = predictions(build, units=units)  # dry runs: before the process group
+    with session() as (rank, _):
+        lines = check(predicted, build, units=units)
+        if rank == 0:
+            print("\n".join(lines))
+
+
+def print_timeline(model: str, world: int, shown: str, wire: bool) -> None:
+    """``python -m minishard.plan --timeline SYSTEM``: :func:`describe`."""
+    build, units = MODELS[model]
+    runs = timelines(build, world, units=units)
+    print("\n".join(describe(runs, shown=shown if shown == "ddp" else int(shown), wire=wire)))
