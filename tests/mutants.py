@@ -284,6 +284,16 @@ MUTANTS = {
         "a dry run's all-gather by broadcasts leaves the other ranks' rows as they were",
         [("minishard/observe/dry_run.py", "                t.copy_(mine)", "                pass")],
         ["tests/test_predict.py::test_a_dry_run_predicts_every_ranks_peak_within_5_percent"]),
+    "dry_runs_apart": (
+        "every rank's dry run timed at once, but each at its own pace (predictions' time)",
+        [("minishard/observe/dry_run.py", "        if self.together is not None:  # every rank's",
+          "        if False:  # every rank's")],
+        ["tests/test_predict.py::test_dry_runs_together_step_together"]),
+    "on_its_own_wire_nothing_waits": (
+        "a link of its own: the computation never waits for a collective",
+        [("minishard/observe/predict.py", "        if landed > now:  # blocked until then",
+          "        if False:  # blocked until then")],
+        ["tests/test_predict.py::test_a_timeline_by_hand"]),
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "
         "torch's raw mesh error, not the way forward",

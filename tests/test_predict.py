@@ -14,7 +14,9 @@ and prefetch on and off, for-loop and foreach Adam).
 """
 import copy
 import functools
+import multiprocessing
 import re
+import time
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from minishard.observe.dry_run import Call
 from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, DryStep, check, gpt, mlp,
                                        plan_buffers, predict, predict_memory, price, timeline,
                                        train)
+from minishard.testing import _free_port
 from test_memory_wall import Block, Net
 
 WORLD_SIZES = (1, 2, 3, 4)
@@ -272,3 +275,24 @@ def test_the_timeline_command_prints_the_systems_and_each_ranks_step(capsys):
         for rank in range(world):
             assert f"{shown}, rank {rank} of {world}, its median step" in out
         assert "all_gather" in first and "reduce_scatter" in first and "allreduce" in second
+
+
+def dry_run_late(rank: int, port: int, late: float) -> list[float]:
+    """One of two processes: this rank's dry run ``late`` seconds late, stepping with the
+    other's through a shared store; when each timed step started (a clock both share)."""
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0)
+    time.sleep(late)
+    run = predict(functools.partial(mlp, 64, 2, 16), 0, 2, rank, timed=3,
+                  together=dist.PrefixStore("test", store))
+    assert all(step.together for step in run.dry_steps)
+    return [step.start for step in run.dry_steps]
+
+
+def test_dry_runs_together_step_together():
+    """predictions() times every rank's dry run at once (so they share the cores as the real
+    ranks will), in step: a rank that starts half a second late holds the other at each step."""
+    port = _free_port()
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        first, late = pool.starmap(dry_run_late, [(0, port, 0.0), (1, port, 0.5)])
+    assert len(first) == len(late) == 3
+    assert all(abs(a - b) < 0.1 for a, b in zip(first, late)), (first, late)

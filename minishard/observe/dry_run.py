@@ -97,6 +97,7 @@ class Mirror(dist.ProcessGroup):
 
     def __init__(self, rank: int, world: int) -> None:
         super().__init__(rank, world)
+        self.together, self._barriers = None, 0  # dry_run's
         self._rank, self._world = rank, world
         self._sent: dict[int, weakref.ref] = {}  # storage -> this rank's slice, broadcast by it
         self.calls: list[Call] = []  # every call, in order: observe/predict.py times a step
@@ -171,6 +172,12 @@ class Mirror(dist.ProcessGroup):
         return self._done("recv", tensors)
 
     def barrier(self, opts=None):
+        if self.together is not None:  # every rank's dry run at once: in step, as for real
+            self._barriers += 1
+            key = f"barrier {self._barriers}"
+            if self.together.add(key, 1) == self._world:
+                self.together.set(key + " all", "")
+            self.together.wait([key + " all"])
         return self._done("barrier", [])
 
 
@@ -179,9 +186,11 @@ dist.Backend.register_backend("mirror", lambda store, rank, world, timeout: Mirr
 
 
 @contextlib.contextmanager
-def dry_run(world: int, rank: int = 0):
+def dry_run(world: int, rank: int = 0, together: dist.Store | None = None):
     """The default process group, inside: a :class:`Mirror` of ``world`` ranks, this process its
-    ``rank``. Outside any process group only (the default group is one a process)."""
+    ``rank``. Outside any process group only (the default group is one a process). ``together``:
+    a store every rank's dry run shares (a fresh prefix of torchrun's): their barriers meet there,
+    so the ranks' dry runs step together and share the cores as the real ranks will."""
     if dist.is_initialized():
         raise RuntimeError("dry_run: this process already has a process group; run the dry run "
                            "before init_process_group (python -m minishard.plan --check does)")
@@ -189,6 +198,7 @@ def dry_run(world: int, rank: int = 0):
         raise ValueError(f"dry_run: rank {rank} is not one of {world} ranks")
     dist.init_process_group("mirror", store=dist.HashStore(), rank=rank, world_size=world)
     mirror, worlds = dist.group.WORLD, dist.distributed_c10d._world.pg_map
+    mirror.together = together
     worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
     debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
     comm.set_debug(False)

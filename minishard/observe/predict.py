@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import os
 import statistics
 import time
@@ -45,8 +46,9 @@ from minishard.zero.flat import FlatMode, Layout
 from minishard.zero.meters import transients
 
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
-           "train_all", "predict", "DryStep", "Span", "timeline", "step_time", "timelines", "describe", "check_here", "print_timeline", "price", "predictions", "check", "SYSTEMS", "mlp", "MLP_UNITS",
-           "gpt", "GPT_UNITS", "MODELS"]
+           "train_all", "predict", "DryStep", "Span", "timeline", "step_time", "price",
+           "predictions", "check", "timelines", "describe", "check_here", "print_timeline",
+           "SYSTEMS", "mlp", "MLP_UNITS", "gpt", "GPT_UNITS", "MODELS"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -236,7 +238,8 @@ def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None,
             if calls is None:
                 run.step_s.append(seconds)
             else:
-                run.dry_steps.append(DryStep(start, seconds, calls[first:]))
+                run.dry_steps.append(DryStep(start, seconds, calls[first:],
+                                             dist.group.WORLD.together is not None))
                 run.step_s.append(step_time(run.dry_steps[-1], dist.get_world_size()))
     return runs
 
@@ -268,20 +271,23 @@ def _trained(build, system, steps: int, optimizer, **zero):
     return Run(alloc.peak, alloc.at_peak, []), step
 
 
-def predict(build, system, world: int, rank: int = 0, **kwargs) -> Run:
-    """:func:`train` in a dry run (observe/dry_run.py): rank ``rank`` of ``world``, alone; its
-    step times are :func:`step_time`'s."""
-    with dry_run(world, rank):
+def predict(build, system, world: int, rank: int = 0, together: dist.Store | None = None,
+            **kwargs) -> Run:
+    """:func:`train` in a dry run (observe/dry_run.py): rank ``rank`` of ``world`` (stepping
+    with the others' dry runs ``together``, else alone); its step times are :func:`step_time`'s."""
+    with dry_run(world, rank, together):
         return train(build, system, **kwargs)
 
 
 @dataclasses.dataclass
 class DryStep:
-    """A timed step of a dry run: when it started (``perf_counter``), its seconds, and the
-    backend calls it made (observe/dry_run.py's ``Call``: when each was issued and waited)."""
+    """A timed step of a dry run: when it started (``perf_counter``), its seconds, the backend
+    calls it made (observe/dry_run.py's ``Call``: when each was issued and waited), and whether
+    it was timed together with every other rank's dry run (sharing the cores) or alone."""
     start: float
     seconds: float
     calls: list
+    together: bool = False
 
 
 @dataclasses.dataclass
@@ -307,21 +313,24 @@ def timeline(step: DryStep, world: int, wire: bool = False,
                  issue while the computation goes on; the rank waits where the engine waited in
                  the dry run, for what has not landed by then: that is the exposed part
 
-    Either way, times ``world / cores`` when the ranks outnumber the cores. A call made outside
-    comm.py in backward (DDP's buckets) is waited when backward ends, where DDP waits for it."""
+    When the ranks outnumber the cores, they share them: the prices count ``world / cores``
+    times, and so does the computation of a dry run timed alone (one timed ``together`` with
+    the other ranks' shared them already). A call made outside comm.py in backward (DDP's
+    buckets) is waited when backward ends, where DDP waits for it."""
+    shared = max(1.0, world / (cores or len(os.sched_getaffinity(0))))
+    alone = 1.0 if step.together else shared
     collectives, of = [], 0  # [what, issued, waited, price], from the step's start
     for call in step.calls:
         waited = step.seconds if call.waited is None else call.waited - step.start
-        cost = price(call.op, call.nbytes, world)
+        cost = shared * price(call.op, call.nbytes, world)
         if call.of and call.of == of:  # another backend call of comm.py's collective
-            collectives[-1][2:] = max(collectives[-1][2], waited), collectives[-1][3] + cost
+            collectives[-1][2:] = max(collectives[-1][2], alone * waited), collectives[-1][3] + cost
         else:
-            collectives.append([call.what or call.op, call.issued - step.start, waited, cost])
+            collectives.append([call.what or call.op, alone * (call.issued - step.start),
+                                alone * waited, cost])
         of = call.of
-    spans = (_on_own_wire if wire else _stopping)(collectives, step.seconds)
-    shared = max(1.0, world / (cores or len(os.sched_getaffinity(0))))
-    return sorted((Span(s.what, s.start * shared, s.seconds * shared, s.exposed * shared)
-                   for s in spans if s.seconds > 0), key=lambda s: s.start)
+    spans = (_on_own_wire if wire else _stopping)(collectives, alone * step.seconds)
+    return sorted((s for s in spans if s.seconds > 0), key=lambda s: s.start)
 
 
 def _stopping(collectives, seconds: float) -> list[Span]:
@@ -377,15 +386,23 @@ SYSTEMS = ("ddp", 0, 1, 2, 3)  # --check's: torch's DDP, then minishard's stages
 
 def predictions(build, systems=SYSTEMS, timed: int = 20, **zero) -> list[Run]:
     """Under torchrun, BEFORE the process group (a process has one default group, and a dry run
-    is one): this rank's dry run of every system (:func:`train_all`). Every rank predicts its own
-    peak; rank 0 alone times its steps (N at once would time N processes sharing the cores),
-    while the others wait in ``init_process_group``. Outside torchrun: [] (launch.session refuses)."""
+    is one): this rank's dry run of every system (:func:`train_all`), its own peak. The ranks
+    time their dry runs together, stepping in turn through torchrun's store, so they share the
+    cores as the real ranks will; without torchrun's store (its agent's), rank 0 times alone.
+    Outside torchrun: [] (launch.session refuses)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return []
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.set_num_threads(1)  # as launch.session sets for the run
-    with dry_run(world, rank):
-        return train_all(build, systems, timed=timed if rank == 0 else 0, **zero)
+    together = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        together = dist.PrefixStore(f"minishard dry runs {next(_predicted)}", dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False))
+    with dry_run(world, rank, together):
+        return train_all(build, systems, timed=timed if together or rank == 0 else 0, **zero)
+
+
+_predicted = itertools.count()  # predictions() calls in this process: a fresh prefix each
 
 
 def name_of(system) -> str:
