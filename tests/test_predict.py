@@ -16,6 +16,7 @@ import copy
 import functools
 import multiprocessing
 import re
+import statistics
 import time
 
 import pytest
@@ -239,23 +240,22 @@ def test_a_timeline_by_hand():
 
 def test_a_dry_runs_waits_are_the_engines():
     """The timeline's overlap is read from the engine's own waits in the dry run: at stage 3 the
-    forward waits for a gather as soon as it is issued, unless prefetch issues it a unit early
-    (the forward of that unit hides it, on a link of its own); DDP's buckets are waited when
-    backward ends, as DDP's reducer does. Every backend call of comm.py carries its collective."""
-    build = functools.partial(mlp, 256, 4, 256)
+    forward waits for a unit's gather as soon as it is issued, unless prefetch issues it a unit
+    early, and that unit's forward hides it (on a link of its own); DDP's buckets are waited
+    when backward ends, as DDP's reducer does. Every backend call of comm.py carries its
+    collective. (Medians over a step's gathers: a preempted moment moves one gather, not all.)"""
+    build = functools.partial(mlp, 256, 4, 2048)  # a unit's forward: milliseconds, a gather's 1
 
-    def gathers(prefetch):
-        run = predict(build, 3, 2, 0, timed=3, units=MLP_UNITS, prefetch=prefetch)
-        step = run.dry_steps[-1]
+    def exposed(prefetch):  # the forward's gathers: the median fraction of each that is exposed
+        step = predict(build, 3, 2, 0, timed=1, units=MLP_UNITS, prefetch=prefetch).dry_steps[0]
         assert all(c.what.split(" ")[0] in ("all_gather", "reduce_scatter")
                    and c.waited >= c.issued for c in step.calls), step.calls
         spans = timeline(step, 2, wire=True)
         backward = min(s.start for s in spans if s.what.startswith("reduce_scatter"))
-        forward = [s for s in spans if s.what.startswith("all_gather") and s.start < backward]
-        return sum(s.exposed for s in forward), sum(s.seconds for s in forward)
-    exposed, priced = gathers(prefetch=False)
-    assert exposed >= 0.9 * priced, (exposed, priced)
-    assert gathers(prefetch=True)[0] <= 0.8 * exposed
+        return statistics.median(s.exposed / s.seconds for s in spans
+                                 if s.what.startswith("all_gather") and s.start < backward)
+    assert exposed(prefetch=False) >= 0.8
+    assert exposed(prefetch=True) <= 0.2
     ddp = predict(build, "ddp", 2, 0, timed=1).dry_steps[-1].calls
     assert ddp and all(c.what == "" and c.waited >= ddp[-1].issued for c in ddp), ddp
 
