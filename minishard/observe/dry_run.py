@@ -101,7 +101,7 @@ class Mirror(dist.ProcessGroup):
         self._rank, self._world = rank, world
         self._sent: dict[int, weakref.ref] = {}  # storage -> this rank's slice, broadcast by it
         self.calls: list[Call] = []  # every call, in order: observe/predict.py times a step
-        self._what, self._of, self._issued = "", 0, 0  # the comm.py collective issuing now
+        self._what, self._of, self._collectives = "", 0, 0  # comm.py's collective issuing now
 
     def _done(self, op: str, tensors, then=None) -> _Done:
         call = Call(op, sum(t.numel() * t.element_size() for t in tensors), self._what,
@@ -113,8 +113,8 @@ class Mirror(dist.ProcessGroup):
 
     # comm.py's observer (comm.set_observer): which collective the backend calls between are for
     def issued(self, entry) -> None:
-        self._issued += 1
-        self._what, self._of = f"{entry.op} {entry.tag}".strip(), self._issued
+        self._collectives += 1
+        self._what, self._of = f"{entry.op} {entry.tag}".strip(), self._collectives
 
     def started(self, works) -> None:
         self._what, self._of = "", 0

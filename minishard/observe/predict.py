@@ -17,9 +17,11 @@ Two predictions, for two questions:
 
     run = predict(mlp, 3, world=4, rank=0, units=MLP_UNITS, timed=10)
     run.peak, run.at_peak, run.median_s      # bytes, what was alive then, seconds
+    timeline(run.dry_steps[0], world=4)      # that step in time: computing, each collective
 
 ``python -m minishard.plan --check [--model gpt]`` (under torchrun) puts both beside a run here,
-for DDP and stages 0-3 (:func:`check`). How close: bench/RESULTS.md, "The planner beside a run".
+for DDP and stages 0-3 (:func:`check`); ``--timeline SYSTEM`` prints every rank's step in time
+(:func:`describe`). How close: bench/RESULTS.md, "The planner beside a run".
 A dry run spends this rank's memory and one process's time: for a model bigger than this
 machine, the plan's bound and plan.py's formulas are what there is.
 """
@@ -415,7 +417,8 @@ def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 20,
     bench/'s MLP by default) beside ``predicted``, this rank's :func:`predict` runs (made before
     the process group was: a dry run is a process's only one). A line a system: the peak
     allocated bytes on the rank where it is largest; and where ``predicted`` has step times
-    (rank 0's: :func:`predictions`), a line: this rank's median step time."""
+    (:func:`predictions`: every rank's, or rank 0's alone), a line: this rank's median step
+    time."""
     lines = []
     for system, guess, run in zip(systems, predicted, train_all(build, systems, timed=timed,
                                                                  **zero)):
