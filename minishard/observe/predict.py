@@ -436,11 +436,14 @@ def check(predicted: list[Run], build=mlp, systems=SYSTEMS, timed: int = 20,
 def timelines(build, world: int, systems=SYSTEMS, timed: int = 10, **zero) -> list[list[Run]]:
     """Every rank's dry run of each system, one rank after another in this process (no torchrun,
     no process group): [rank][system] -> its Run, with ``timed`` dry steps."""
+    runs, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)  # as launch.session sets for a rank
-    runs = []
-    for rank in range(world):
-        with dry_run(world, rank):
-            runs.append(train_all(build, systems, timed=timed, **zero))
+    try:
+        for rank in range(world):
+            with dry_run(world, rank):
+                runs.append(train_all(build, systems, timed=timed, **zero))
+    finally:
+        torch.set_num_threads(threads)
     return runs
 
 
