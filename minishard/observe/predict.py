@@ -323,13 +323,13 @@ def timeline(step: DryStep, world: int, wire: bool = False,
     alone = 1.0 if step.together else shared
     collectives, of = [], 0  # [what, issued, waited, price], from the step's start
     for call in step.calls:
-        waited = step.seconds if call.waited is None else call.waited - step.start
+        issued = call.issued - step.start  # (never waited: waited when the step ends)
+        waited = max(issued, step.seconds if call.waited is None else call.waited - step.start)
         cost = shared * price(call.op, call.nbytes, world)
         if call.of and call.of == of:  # another backend call of comm.py's collective
             collectives[-1][2:] = max(collectives[-1][2], alone * waited), collectives[-1][3] + cost
         else:
-            collectives.append([call.what or call.op, alone * (call.issued - step.start),
-                                alone * waited, cost])
+            collectives.append([call.what or call.op, alone * issued, alone * waited, cost])
         of = call.of
     spans = (_on_own_wire if wire else _stopping)(collectives, alone * step.seconds)
     return sorted((s for s in spans if s.seconds > 0), key=lambda s: s.start)
