@@ -273,8 +273,8 @@ def test_the_timeline_command_prints_the_systems_and_each_ranks_step(capsys):
                     "DDP", *(f"minishard stage {s}" for s in range(4)))}
         assert len(rows) == 5, out
         for compute, talk, step, exposed, own in rows.values():
-            assert 0 < compute <= step <= compute + talk + 1e-2  # (printed to 0.01 ms)
-            assert 0 <= exposed <= talk + 1e-2 and own <= step + 1e-2
+            assert 0 < compute <= step <= compute + talk + 2e-2  # (each printed to 0.01 ms)
+            assert 0 <= exposed <= talk + 2e-2 and own <= step + 2e-2
         for rank in range(world):
             assert f"{shown}, rank {rank} of {world}, its median step" in out
         assert "all_gather" in first and "reduce_scatter" in first and "allreduce" in second

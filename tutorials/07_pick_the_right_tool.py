@@ -196,8 +196,8 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
     # ---------------------------------------- part 3: a whole step, predicted and measured
     say("Part 3: this model's step (batch 1024), predicted before the ranks existed (a dry run "
         "of the engine\nin each rank's process, observe/dry_run.py) and measured here: peak "
-        "allocated MiB on the rank\nwhere it is largest, rank 0's median step time in ms:\n")
-    lines = check(dry_runs, activation_heavy, units={Block})
+        "allocated MiB on the rank\nwhere it is largest, rank 0's median of 10 steps in ms:\n")
+    lines = check(dry_runs, activation_heavy, timed=10, units={Block})
     say("\n".join(lines))
     for line in lines:
         guess, measured = (float(v) for v in re.findall(r"=([\d.]+)", line))
@@ -242,7 +242,7 @@ if __name__ == "__main__":
     parser.add_argument("--plot", help="also save a PNG of memory and step time (needs matplotlib)")
     args = parser.parse_args()
     # Set-up and tear-down, the same for every lesson: see minishard/launch.py.
-    dry_runs = predictions(activation_heavy, units={Block})  # part 3: before the ranks exist
+    dry_runs = predictions(activation_heavy, timed=10, units={Block})  # part 3, ranks not made yet
     with minishard.launch.session(
             world_sizes=minishard.launch.at_least(2),
             why="with one rank every stage holds the same bytes") as (rank, world):
