@@ -136,7 +136,7 @@ def test_a_dry_run_under_debug_mode_predicts_the_same_peak():
         comm.set_debug(was)
 
 
-def check_here(predicted_by_rank, build):
+def check_on_this_rank(predicted_by_rank, build):
     return check(predicted_by_rank[dist.get_rank()], build, SYSTEMS, timed=5, units=MLP_UNITS)
 
 
@@ -147,7 +147,7 @@ def test_check_prints_each_system_predicted_beside_measured(pools):
     build = MODELS["mlp"][0]
     for world in (2, 3):
         predicted = timelines(build, world, timed=5, units=MLP_UNITS)
-        lines = pools(world).run(check_here, predicted, build)[0]
+        lines = pools(world).run(check_on_this_rank, predicted, build)[0]
         names = ["DDP"] + [f"minishard stage {s}" for s in range(4)]
         assert [line.rsplit(" ", 2)[0] for line in lines] == [
             f"{name} {what}" for name in names for what in ("peak_allocated", "step_time")], lines

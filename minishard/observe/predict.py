@@ -184,7 +184,7 @@ def gpt(vocab: int = 512, seq: int = 64, d: int = 128, layers: int = 4, batch: i
 
 
 GPT_UNITS = {_GPTBlock}
-MODELS = {"mlp": (mlp, MLP_UNITS), "gpt": (gpt, GPT_UNITS)}  # --check --model's
+MODELS = {"mlp": (mlp, MLP_UNITS), "gpt": (gpt, GPT_UNITS)}  # --model (--check, --timeline)
 
 
 @dataclasses.dataclass
