@@ -76,14 +76,16 @@ def optimizer_before_wrapping():
 
 
 def optimizer_of_a_dropped_model():
-    """The model that replaced the parameters is gone: its successors went with it."""
+    """Parameters kept in a list from before wrapping, the model dropped at once, then an
+    optimizer built over the list: the successors went with the model (an optimizer alive at
+    the wrap holds the successors themselves, so it never meets this)."""
     with torch.device("meta"):
         module = nn.Linear(3, 3)
-    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    kept = list(module.parameters())
     minishard.ZeRO(module, stage=3, device="cpu")  # dropped at once, with its module
     del module
     gc.collect()
-    opt.step()
+    torch.optim.SGD(kept, lr=0.1).step()
 
 
 def stages_differ():
@@ -293,9 +295,9 @@ def test_dtensor_shards_load_only_as_they_were_cut(pools, tmp_path):
     pools(2).run(save_shards, str(tmp_path), 3)
     assert pools(2).run(load_shards, str(tmp_path), 1) == [0.0, 0.0]  # stage 1 cuts as 3 does
     for world, stage, held in ((2, 0, r"a whole tensor of shape \(6, 4\) \(stage 0\)"),
-                               (3, 3, r"a DTensor of \(2, 4\) local rows on ranks \[0, 1, 2\]")):
+                               (3, 3, r"a DTensor of shape \(6, 4\) cut over ranks \[0, 1, 2\]")):
         for message in pools(world).run(load_shards, str(tmp_path), stage):  # every rank says it
-            assert re.search(r"'module.0.weight' holds a DTensor of \(3, 4\) local rows on "
+            assert re.search(r"'module.0.weight' holds a DTensor of shape \(6, 4\) cut over "
                              r"ranks \[0, 1\] \(S\(0\)\), but this model holds it as " + held,
                              message), message
             assert "minishard.save_checkpoint" in message and "full_state_dict()" in message

@@ -303,17 +303,20 @@ def original_parameter_names(model) -> list[str]:
 
 def _numbering(model, optimizer, param_names: list[str] | None) -> list[list]:
     """For each param group, its parameters (unit.py's Param) in the order a plain optimizer
-    numbers them: ``param_names`` order (default: the unwrapped module's own order)."""
+    numbers them: the group's own order (torch's numbering: DDP's ``opt.state_dict()`` of the
+    same construction), or ``param_names`` order when given."""
     by_alias = {place.fqn: param for _, param in named_params(model) for place in param.places}
-    names = original_parameter_names(model) if param_names is None else param_names
-    unknown = [n for n in names if n not in by_alias]
-    distinct = {id(by_alias[n]) for n in names if n in by_alias}
+    group_param_names(model, optimizer)  # every optimizer parameter is one of ours
+    if param_names is None:
+        by_user = {id(param.user): param for param in by_alias.values()}
+        return [[by_user[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    unknown = [n for n in param_names if n not in by_alias]
+    distinct = {id(by_alias[n]) for n in param_names if n in by_alias}
     total = len({id(p) for p in by_alias.values()})
-    if unknown or len(distinct) != len(names) or len(distinct) != total:
+    if unknown or len(distinct) != len(param_names) or len(distinct) != total:
         raise ValueError(f"param_names must name each of the model's {total} parameters once (a "
                          f"tied one under any of its names); unknown: {unknown}")
-    group_param_names(model, optimizer)  # every optimizer parameter is one of ours
-    order = [by_alias[n] for n in names]
+    order = [by_alias[n] for n in param_names]
     return [[p for p in order if any(p.user is q for q in g["params"])]
             for g in optimizer.param_groups]
 
@@ -322,10 +325,10 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
     """The optimizer state dict that ``type(optimizer)`` over the UNWRAPPED model would have, on
     every rank. Collective (one all-gather per flat buffer and state key at stages 1-3).
 
-    Format: torch's own. ``state[i]`` belongs to the i-th parameter, numbered in param-group
-    order and, within a group, in ``module.parameters()`` order (:func:`original_parameter_names`);
-    with the usual single group, i is the index in ``unwrapped.parameters()``. Per-element state
-    has the parameter's full shape. So::
+    Format: torch's own. ``state[i]`` belongs to the i-th parameter in the optimizer's own order
+    (group by group, each group's ``params`` in order): equal to the ``opt.state_dict()`` that
+    DDP or one process gives for an optimizer built the same way, whatever the group layout.
+    Per-element state has the parameter's full shape. So::
 
         m.load_state_dict(model.full_state_dict())
         opt = torch.optim.Adam(m.parameters(), ...)

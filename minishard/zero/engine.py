@@ -141,7 +141,9 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                  device=device, param_init_fn=param_init_fn,
                                  meter=self._wrap_meter)
         cast_buffers(module, mp.buffer_dtype)
-        guards.guard_parameters(self.units, module, stand_ins=self.policy.reshard_after_forward)
+        guards.guard_parameters(self.units, module, stand_ins=self.policy.reshard_after_forward,
+                                groups=[groups.every] if stage else [])
+        guards.adopt_live_optimizers()  # an optimizer built before wrapping: ours from now on
         for i, unit in enumerate(self.units):
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
                                                   with_kwargs=True)

@@ -5,22 +5,28 @@ say what to do. Each is set up once, when the engine wraps a model; none costs a
    are DTensors (params.py), so ``model.module.state_dict()`` holds DTensors, as FSDP2's
    does: no collective (nothing hangs), and a file of them cannot load into a plain model as if
    it were whole (``copy_`` refuses a DTensor). ``load_state_dict`` takes DTensors, or FULL
-   plain tensors: each rank keeps its rows of each.
+   plain tensors: each rank keeps its rows of each. A shard knows whose it is: each DTensor a
+   state dict hands out (the model's, the optimizer's) carries the rows it holds, and a load
+   of another rank's rows raises on every rank (:class:`_Loads`, :func:`_check_rows`).
 2. **A parameter used outside its unit's compute** (:func:`guard_parameters`): its gradient would
    reach the user parameter directly, unaveraged (and at stages 1-3 it is only this rank's
    rows), so ranks would drift apart. Autograd accumulating into it raises instead. At stage
    3, during a forward, a unit done with its forward shows :class:`Released` stand-ins of the
    right shape and no storage: any use names the parameter and its unit, instead of computing
    with this rank's rows (or torch's opaque shape error).
-3. **An optimizer built before wrapping** (:func:`adopt_optimizer`, a global optimizer step
-   pre-hook): nanoGPT's and DDP's order (build it, maybe load its state, then wrap). At stages
-   1-3 every parameter is replaced by a DTensor (as under FSDP2, where such an optimizer would
-   silently train nothing), so at its first step the optimizer is pointed at the parameters
-   the model uses, and state shaped for a full parameter (loaded or stepped before wrapping,
-   or a full optimizer state dict loaded after) keeps this rank's rows of it.
+3. **An optimizer built before wrapping** (:func:`adopt_live_optimizers`, at the wrap):
+   nanoGPT's and DDP's order (build it, maybe load its state, then wrap). At stages 1-3 every
+   parameter is replaced by a DTensor (as under FSDP2, where such an optimizer would silently
+   train nothing), so before ``ZeRO(...)`` returns every live optimizer holding a replaced
+   parameter holds its successor instead, in its place, with its state (state shaped for a
+   full parameter keeps this rank's rows): whatever reads ``param_groups`` next (clipping,
+   GradScaler, Join, a state dict) sees the model's parameters. A global step pre-hook
+   (:func:`adopt_optimizer`) checks again at each optimizer's first step, and after it loads
+   a state dict: the backstop.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -28,7 +34,9 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Released", "guard_parameters", "adopt_optimizer", "whole_state", "refuse_deepcopy"]
+from minishard.verdicts import raise_together
+
+__all__ = ["Released", "guard_parameters", "adopt_optimizer", "adopt_live_optimizers", "whole_state", "refuse_deepcopy"]
 
 
 class Released(torch.Tensor):
@@ -56,9 +64,10 @@ class Released(torch.Tensor):
             "modules hold it); to read values outside forward, use `with model.gathered():`.")
 
 
-def guard_parameters(units, module: torch.nn.Module, stand_ins: bool) -> None:
+def guard_parameters(units, module: torch.nn.Module, stand_ins: bool, groups: list) -> None:
     """Guards 1 and 2 on every module of ``module`` and every user parameter of ``units``
-    (``stand_ins``: stage 3's :class:`Released`, kept on each ``Param``)."""
+    (``stand_ins``: stage 3's :class:`Released`, kept on each ``Param``); ``groups``: where a
+    load's verdict is all-reduced, every rank of the engine (none at stage 0: no shards)."""
     for unit in units:
         for param in unit.params():
             p, flat = param.user, param.flat
@@ -68,39 +77,68 @@ def guard_parameters(units, module: torch.nn.Module, stand_ins: bool) -> None:
                 param.stand_in._minishard_name = param.name
                 param.stand_in._minishard_unit = unit.name
             p._minishard_slot = (flat, param.index)  # for the load hook; marks it as ours
+            p._minishard_verdict = groups  # where a check of its optimizer state is agreed
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_refuse_direct_use(param.name, unit.name))
+    loads = _Loads(module, groups)
+    module.register_load_state_dict_pre_hook(loads.start)  # before the root's own check
     for m in module.modules():
         m.register_state_dict_post_hook(_copy_my_rows)
-        m.register_load_state_dict_pre_hook(_keep_my_rows)
-    _checked_optimizers.clear()  # an optimizer that stepped before this wrap: check it again
+        m.register_load_state_dict_pre_hook(loads.keep_my_rows)
+    module.register_load_state_dict_post_hook(loads.end)
 
 
 def _copy_my_rows(module, state_dict, prefix, local_metadata) -> None:
-    """``state_dict()`` at stages 1-3: each DTensor holds a COPY of this rank's rows. torch
-    builds a DTensor's wrapper with its local tensor's storage offset, and ``torch.save``
-    then fails on one that views the middle of a flat buffer (torch 2.13); a copy starts at
-    0, so ``if rank == 0: torch.save(model.module.state_dict(), f)`` writes DTensors, as
-    under FSDP2."""
+    """``state_dict()`` at stages 1-3: each DTensor holds a COPY of this rank's rows, marked with
+    which rows they are (``_minishard_rows``: a torch.save keeps it). torch builds a DTensor's
+    wrapper with its local tensor's storage offset, and ``torch.save`` then fails on one that
+    views the middle of a flat buffer (torch 2.13); a copy starts at 0, so ``if rank == 0:
+    torch.save(model.module.state_dict(), f)`` writes DTensors, as under FSDP2."""
     for attr, p in module._parameters.items():
         slot, key = getattr(p, "_minishard_slot", None), prefix + attr
         value = state_dict.get(key)
         if slot is not None and isinstance(value, DTensor) and value is not p:  # not keep_vars
             state_dict[key] = slot[0].as_user(slot[1], value._local_tensor.clone())
+            state_dict[key]._minishard_rows = slot[0].row_ranges[slot[1]]
 
 
-def _keep_my_rows(module, state_dict, prefix, *args) -> None:
-    """``load_state_dict`` of full plain tensors: each rank keeps its rows of each parameter
-    (a DTensor at stages 1-3, as the parameter is). DTensor shards load only as they were
-    cut: the same world size and stage."""
-    for attr, p in module._parameters.items():
-        slot, key = getattr(p, "_minishard_slot", None), prefix + attr
-        if slot is not None and key in state_dict:
+def _check_rows(value, flat, j: int, what: str) -> str | None:
+    """Why ``value`` (a DTensor shard from a state dict) is not this rank's rows of parameter j
+    of ``flat``, or None: it is, or it carries no mark (made by torch, not handed out here)."""
+    rows = getattr(value, "_minishard_rows", None)
+    if rows is None or tuple(rows) == tuple(flat.row_ranges[j]):
+        return None
+    (lo, hi), (mine_lo, mine_hi) = rows, flat.row_ranges[j]
+    return (f"{what} holds rows {lo}:{hi} of the parameter, saved by the rank that holds them, "
+            f"but this rank holds rows {mine_lo}:{mine_hi}: a state dict of DTensor shards "
+            "(model.module.state_dict(), optimizer.state_dict()) is one rank's, and loading it "
+            "on another rank would train with that rank's numbers. Let each rank load the file "
+            "it saved, or save what every rank can load: model.full_state_dict() and "
+            "minishard.full_optimizer_state_dict(model, optimizer) (on every rank; rank 0 may "
+            "write them), or minishard.save_checkpoint(path, model, optimizer).")
+
+
+class _Loads:
+    """Guard 1 at ``load_state_dict``: plain full tensors become this rank's rows; a DTensor
+    shard of another cut is refused at once (every rank sees that), one of another rank's rows
+    (:func:`_check_rows`) is not loaded and, at the end of the model's load, every rank raises
+    together (verdicts.py: that rank alone would leave the others waiting in a collective)."""
+
+    def __init__(self, root: torch.nn.Module, groups: list) -> None:
+        self.root, self.groups, self.problem = weakref.ref(root), groups, None
+        self.loading = False
+
+    def start(self, module, *args) -> None:
+        self.loading, self.problem = True, None
+
+    def keep_my_rows(self, module, state_dict, prefix, *args) -> None:
+        for attr, p in module._parameters.items():
+            slot, key = getattr(p, "_minishard_slot", None), prefix + attr
+            if slot is None or key not in state_dict:
+                continue
             flat, j = slot
             value = state_dict[key]
-            if type(value) is torch.Tensor and value.shape == flat.shapes[j]:
-                state_dict[key] = flat.as_user(j, flat.my_rows(j, value).to(p.dtype))
-            elif isinstance(value, DTensor) and _cut(value) != _cut(p):
+            if isinstance(value, DTensor) and _cut(value) != _cut(p):
                 raise RuntimeError(
                     f"load_state_dict: {key!r} holds {_cut(value)}, but this model holds it as "
                     f"{_cut(p)}: a state dict of DTensor shards (model.state_dict(), saved by "
@@ -108,13 +146,32 @@ def _keep_my_rows(module, state_dict, prefix, *args) -> None:
                     "them, save with minishard.save_checkpoint(path, model, optimizer) and load "
                     "with load_checkpoint (either format reshards), or save full tensors: "
                     "model.full_state_dict() (loadable into any model, wrapped or plain).")
+            foreign = isinstance(value, DTensor) and _check_rows(value, flat, j, repr(key))
+            if foreign:
+                if not self.loading:  # a submodule loaded alone: no verdict to wait for
+                    raise RuntimeError(f"load_state_dict: {foreign}")
+                self.problem = self.problem or foreign
+                state_dict[key] = p  # loads nothing: the model keeps its own rows
+            elif type(value) is torch.Tensor and value.shape == flat.shapes[j]:
+                state_dict[key] = flat.as_user(j, flat.my_rows(j, value).to(p.dtype))
+
+    def end(self, module, incompatible_keys) -> None:
+        problem, self.problem, self.loading = self.problem, None, False
+        if self.groups:  # stages 1-3: every rank joins, whatever it found
+            raise_together(RuntimeError(f"load_state_dict: {problem}") if problem else None,
+                           self.groups, "load_state_dict: whose rows", RuntimeError(
+                               "load_state_dict: another rank was given a state dict of shards "
+                               "another rank saved (its error names the parameter); nothing "
+                               "of it was loaded there. Load each rank's own file, or a full "
+                               "state dict (model.full_state_dict()) or save_checkpoint's."))
 
 
 def _cut(t: torch.Tensor) -> str:
-    """How a tensor is cut over the ranks, in words (equal words: the same cut)."""
+    """How a tensor is cut over the ranks, in words (equal words: the same cut; which rows a
+    rank holds of it is :func:`_check_rows`' question)."""
     if not isinstance(t, DTensor):
         return f"a whole tensor of shape {tuple(t.shape)} (stage 0)"
-    return (f"a DTensor of {tuple(t.to_local().shape)} local rows on ranks "
+    return (f"a DTensor of shape {tuple(t.shape)} cut over ranks "
             f"{t.device_mesh.mesh.tolist()} ({', '.join(map(str, t.placements))})")
 
 
@@ -142,9 +199,24 @@ def adopt_optimizer(optimizer, args, kwargs) -> None:
         _adopt(optimizer)
 
 
+def adopt_live_optimizers() -> None:
+    """Guard 3 at the wrap: each live optimizer holding a parameter the engine replaced is
+    adopted now. Found by one scan of the objects Python's collector tracks (optimizers are among
+    them): ``gc.get_referrers`` would find the ``params`` lists, but climbing from a list to its
+    optimizer takes three more whole-heap scans, and a user's own list of parameters must not
+    be edited. Optimizers built after wrapping hold no replaced parameter: untouched."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.optim.Optimizer) and any(
+                hasattr(p, "_minishard_successor") for g in obj.param_groups for p in g["params"]):
+            _adopt(obj)
+
+
 def _adopt(optimizer) -> None:
     """Each parameter the engine replaced gives way to its successor (the user parameter the
-    model uses), with its state; state shaped for a whole parameter keeps this rank's rows."""
+    model uses), with its state; state shaped for a whole parameter keeps this rank's rows;
+    state of another rank's rows (a shard's state dict loaded on the wrong rank) raises, on
+    every rank of the engines whose parameters it holds."""
+    problem, groups = None, {}
     for group in optimizer.param_groups:
         for i, p in enumerate(group["params"]):
             successor = getattr(p, "_minishard_successor", None)
@@ -157,11 +229,32 @@ def _adopt(optimizer) -> None:
                 group["params"][i] = successor()
                 if p in optimizer.state:
                     optimizer.state[successor()] = optimizer.state.pop(p)
-            _keep_state_rows(optimizer.state.get(group["params"][i]), group["params"][i])
+            p = group["params"][i]
+            if optimizer.state.get(p):  # state to check: agreed where it lives
+                groups.update(dict.fromkeys(getattr(p, "_minishard_verdict", ())))
+            problem = _keep_state_rows(optimizer.state.get(p), p) or problem
     if not getattr(optimizer, "_minishard_hooked", False):
         optimizer._minishard_hooked = True  # a state dict loaded later is checked again
         optimizer.register_load_state_dict_post_hook(_checked_optimizers.discard)
+        optimizer.register_state_dict_post_hook(_mark_state_rows)
+    raise_together(RuntimeError(f"{type(optimizer).__name__}.load_state_dict: {problem}")
+                   if problem else None, list(groups), "optimizer state: whose rows",
+                   RuntimeError("optimizer.load_state_dict: another rank was given optimizer "
+                                "state another rank saved (its error names it); no rank steps "
+                                "with it. Load each rank's own file, or a full optimizer state "
+                                "(minishard.full_optimizer_state_dict) or save_checkpoint's."))
     _checked_optimizers.add(optimizer)
+
+
+def _mark_state_rows(optimizer, state_dict: dict) -> None:
+    """``optimizer.state_dict()``: each DTensor state of a shard carries the rows it holds, as
+    the model's state dict does (:func:`_copy_my_rows`), so a load on another rank is refused."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, state in state_dict["state"].items():
+        flat, j = getattr(params[index], "_minishard_slot", (None, None))
+        for value in state.values() if flat is not None else ():
+            if isinstance(value, DTensor):
+                value._minishard_rows = flat.row_ranges[j]
 
 
 def whole_state(key: str, value, shape: torch.Size) -> bool:
@@ -170,15 +263,20 @@ def whole_state(key: str, value, shape: torch.Size) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
 
 
-def _keep_state_rows(state: dict | None, p: torch.Tensor) -> None:
+def _keep_state_rows(state: dict | None, p: torch.Tensor) -> str | None:
     """Per-element state of a whole parameter, plain tensors, becomes this rank's rows of it,
-    as the parameter itself (stages 1-3)."""
+    as the parameter itself (stages 1-3). Returns why a DTensor state is not this rank's rows
+    (:func:`_check_rows`), or None."""
     flat, j = getattr(p, "_minishard_slot", (None, None))
     if not state or flat is None or flat.spec is None:  # not ours, or stage 0: full already
-        return
+        return None
     for key, value in state.items():
         if type(value) is torch.Tensor and whole_state(key, value, flat.shapes[j]):
             state[key] = flat.as_user(j, flat.my_rows(j, value).clone())
+        elif isinstance(value, DTensor) and _check_rows(value, flat, j, f"state {key!r}"):
+            return _check_rows(value, flat, j, f"state {key!r} of a parameter of shape "
+                                               f"{tuple(flat.shapes[j])} ({flat.name})")
+    return None
 
 
 register_optimizer_step_pre_hook(adopt_optimizer)

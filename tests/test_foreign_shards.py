@@ -1,0 +1,114 @@
+"""A shard knows whose it is: one rank's rows never load silently on another rank.
+
+At stages 1-3 ``model.module.state_dict()`` and ``optimizer.state_dict()`` hold DTensors of this
+rank's rows (as under FSDP2). DDP's habit, ``if rank == 0: torch.save(...)`` then every rank
+loads that file, would hand every rank rank 0's rows: with rows that split evenly nothing in the
+shapes says so. Each rank must raise (together: one rank alone would leave the others waiting
+in a collective), naming what to do; each rank loading its own file loads exactly (the oracle:
+the run that was never interrupted); a replica of rank 0 (a 2-D mesh) holds rank 0's rows, so
+rank 0's file is its own.
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import minishard
+
+WHAT_TO_DO = ("full_state_dict", "save_checkpoint")
+
+
+def net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def step(model, opt, i):
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(2 * n, 4, generator=torch.Generator().manual_seed(i))[2 * r:2 * r + 2]
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def save_then_load(stage, folder, whose, part, mesh_shape=None):
+    """Two steps, each rank saves its state dicts, one more step (the uninterrupted run), then
+    a fresh model and optimizer load the file of rank ``whose(rank)`` (``part``: the model's,
+    the optimizer's or both) and take the same step. Returns ("loaded", error vs the
+    uninterrupted run) or ("refused", the message)."""
+    r = dist.get_rank()
+    mesh = None
+    if mesh_shape:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+
+    def make():
+        model = minishard.ZeRO(net(), stage=stage, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.05)
+    model, opt = make()
+    step(model, opt, 0), step(model, opt, 1)
+    torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()},
+               os.path.join(folder, f"rank{r}.pt"))
+    dist.barrier()
+    step(model, opt, 2)
+    want = model.full_state_dict()
+    twin, twin_opt = make()
+    saved = torch.load(os.path.join(folder, f"rank{whose(r)}.pt"), weights_only=False)
+    try:
+        if part in ("model", "both"):
+            twin.module.load_state_dict(saved["model"])
+        else:
+            twin.load_full_state_dict(model_state_before(saved, model))
+        if part in ("optim", "both"):
+            twin_opt.load_state_dict(saved["optim"])
+        step(twin, twin_opt, 2)
+    except RuntimeError as exc:
+        return "refused", str(exc)
+    got = twin.full_state_dict()
+    return "loaded", max((got[k] - v).abs().max().item() for k, v in want.items())
+
+
+def model_state_before(saved, model):
+    """The full values of a rank's saved model state dict (DTensors gathered): the part of a
+    test that loads only the optimizer from the wrong file keeps the model right."""
+    return {k: v.full_tensor() for k, v in saved["model"].items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [2, 3])  # 3: rows that do not split evenly
+def test_rank0s_file_loaded_on_every_rank_raises_on_every_rank(pools, tmp_path, stage, world):
+    for part in ("model", "optim", "both"):
+        folder = tmp_path / f"{part}"
+        folder.mkdir()
+        results = pools(world).run(save_then_load, stage, str(folder), _rank0, part)
+        for kind, said in results:
+            assert kind == "refused", (part, results)
+            assert all(way in said for way in WHAT_TO_DO) or "another rank" in said, said
+        assert any("rows" in said and all(way in said for way in WHAT_TO_DO)
+                   for _, said in results), results
+
+
+def _rank0(rank):
+    return 0
+
+
+def _own(rank):
+    return rank
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_each_rank_loading_its_own_file_loads_exactly(pools, tmp_path, stage):
+    for kind, error in pools(3).run(save_then_load, stage, str(tmp_path), _own, "both"):
+        assert kind == "loaded" and error < 1e-6, (kind, error)
+
+
+def _first_replica(rank):
+    return rank % 2  # mesh (2, 2): ranks 0, 1 shard the first replica; 2, 3 hold the same rows
+
+
+def test_a_replica_loads_the_file_of_the_rank_whose_rows_it_holds(pools, tmp_path):
+    for kind, error in pools(4).run(save_then_load, 2, str(tmp_path), _first_replica, "both",
+                                    (2, 2)):
+        assert kind == "loaded" and error < 1e-6, (kind, error)
