@@ -21,6 +21,7 @@ from minishard.checkpoint.state import (CheckpointError, check_checkpoint, check
                                         full_optimizer_state_dict, latest_checkpoint,
                                         load_checkpoint, load_full_optimizer_state_dict,
                                         original_parameter_names, save_checkpoint)
+from minishard.checkpoint.files import committed
 from minishard.testing import RankError
 
 GLOBAL_BATCH = 12  # divisible by every world size 1-4
@@ -575,17 +576,29 @@ def _crash_at(point: str):
         stack.enter_context(patch(dcp, "atomic_save", _crash))
     elif point == "before the swap":
         stack.enter_context(patch(state, "_swap_in", _crash))
-    elif point == "between the renames":  # path -> path.previous done, path.saving -> path not
+    elif point in ("between the renames", "moving the user's files back"):
         rename = os.rename
 
         def rename_then_crash(src, dst):
-            if os.fspath(src).endswith(".saving"):
+            # between the renames: path -> path.previous done, path.saving -> path not; moving
+            # back: the user's first file moved back from path.previous, the second not
+            if os.fspath(src).endswith(".saving" if point[0] == "b" else "notes"):
                 raise Crash
             rename(src, dst)
         stack.enter_context(patch(state.os, "rename", rename_then_crash))
     else:
         stack.enter_context(patch(state.shutil, "rmtree", _crash))
     return stack
+
+
+def _users_files(ckpt) -> dict:
+    """What the user keeps beside minishard's files in ``ckpt`` (nanoGPT keeps its ckpt.pt in
+    out_dir), by name: a file, and a folder holding one."""
+    found = {}
+    for name in ("ckpt.pt", os.path.join("notes", "todo.txt")):
+        file = os.path.join(ckpt, name)
+        found[name] = open(file).read() if os.path.exists(file) else None
+    return found
 
 
 def _equals(model, steps: dict) -> list:
@@ -595,13 +608,19 @@ def _equals(model, steps: dict) -> list:
 
 
 def overwrite_crashing(ckpt, point, format):
-    """Save step 1 at ``ckpt``; overwrite it with step 2, crashing at ``point``; load what
-    ``ckpt`` then holds; overwrite once more (step 3) and load. Returns (the steps the first
-    load equals, those the last equals, what is left beside ckpt)."""
+    """Save step 1 at ``ckpt`` (a directory that already holds the user's files); overwrite it
+    with step 2, crashing at ``point``; load the newest checkpoint ``latest_checkpoint`` finds
+    (and check it is where ``load_checkpoint(ckpt)`` reads); overwrite once more (step 3) and
+    load. Returns (the steps the first load equals, those the last equals, what is left beside
+    ckpt, the user's files in ckpt at the end)."""
     world, rank = ws_rank()
     opt_name = "adam" if format == "minishard" else "adam_foreach"  # for-loop and foreach
     model, opt = make(2, opt_name)
     steps, loaded = {}, []
+    os.makedirs(os.path.join(ckpt, "notes"))
+    for name in ("ckpt.pt", os.path.join("notes", "todo.txt")):
+        with open(os.path.join(ckpt, name), "w") as fh:
+            fh.write(name)
     for step in (1, 2, 3):
         train(model, opt, [step], world, rank)
         steps[step] = model.full_state_dict()
@@ -611,28 +630,33 @@ def overwrite_crashing(ckpt, point, format):
             except Crash:
                 pass
         if step > 1:  # what a restarted job finds
+            latest = latest_checkpoint(os.path.dirname(ckpt))
+            assert latest == committed(ckpt), (latest, committed(ckpt))
             twin, twin_opt = make(2, opt_name, seed=5)
-            load_checkpoint(ckpt, twin, twin_opt)
+            load_checkpoint(latest, twin, twin_opt)
             loaded.append(_equals(twin, steps))
     leftovers = sorted(p for p in os.listdir(os.path.dirname(ckpt))
                        if p.startswith(os.path.basename(ckpt) + "."))
-    return loaded[0], loaded[1], leftovers
+    return loaded[0], loaded[1], leftovers, _users_files(ckpt)
 
 
 # where the crash leaves the previous checkpoint (1) or the new one (2) as what `ckpt` holds
 CRASHES = {"writing": 1, "before the swap": 1, "between the renames": 2,
-           "deleting the previous": 2}
+           "moving the user's files back": 2, "deleting the previous": 2}
 
 
 @pytest.mark.parametrize("format", ["minishard", "dcp"])
 @pytest.mark.parametrize("point", list(CRASHES))
 def test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint(pools, tmp_path, point,
                                                                   format):
-    """nanoGPT rewrites one checkpoint at every evaluation (``overwrite=True``). A crash at any
-    point of the rewrite leaves ``ckpt`` loading as the previous save or the new one, whole
-    (equal to that step's weights), never a mix and never an error; the next overwrite
-    succeeds and leaves nothing beside it."""
+    """nanoGPT rewrites one checkpoint at every evaluation (``overwrite=True``), in an out_dir
+    that holds its other files. A crash at any point of the rewrite leaves ``ckpt`` loading as
+    the previous save or the new one, whole (equal to that step's weights), never a mix and
+    never an error, and ``latest_checkpoint`` finds that one (not ``ckpt.previous``); the next
+    overwrite succeeds and leaves nothing beside it; the user's files are never lost."""
     ckpt = fresh(tmp_path)
-    loaded, last, leftovers = pools(1).run(overwrite_crashing, ckpt, point, format)[0]
+    loaded, last, leftovers, users = pools(1).run(overwrite_crashing, ckpt, point, format)[0]
     assert loaded == [CRASHES[point]] and last == [3] and leftovers == [], (loaded, last,
                                                                              leftovers)
+    assert users == {"ckpt.pt": "ckpt.pt", os.path.join("notes", "todo.txt"):
+                     os.path.join("notes", "todo.txt")}, users

@@ -32,7 +32,8 @@ from minishard.zero.flat import rows_of
 __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shard_file_name",
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
            "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
-           "dcp_data_files", "check_dcp_digests", "dcp_extra_record", "EXTRA", "check_loadable"]
+           "dcp_data_files", "check_dcp_digests", "dcp_extra_record", "EXTRA", "check_loadable",
+           "own_file"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
 DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; DCP ignores it
@@ -42,6 +43,15 @@ FORMAT_VERSION = 2
 META = "meta.pt"
 EXTRA = "extra.pt"  # save_checkpoint(extra=...): every rank's own state, by rank
 SAVING, PREVIOUS = ".saving", ".previous"  # beside a checkpoint being overwritten
+# What a save writes into its directory (either format, and their temporary names); anything
+# else there is the user's (nanoGPT's ckpt.pt, notes): an overwrite keeps it (state.py).
+_OWN = re.compile(r"(meta\.pt|extra\.pt|rank\d+-of-\d+\.pt|minishard-sha256\.pt|"
+                  r"(__\d+)?\.metadata|.*\.distcp)(\.tmp.*)?")
+
+
+def own_file(name: str) -> bool:
+    """Is ``name`` (in a checkpoint directory) a file a save writes? Not collective."""
+    return _OWN.fullmatch(name) is not None
 
 
 class CheckpointError(RuntimeError):
@@ -245,19 +255,29 @@ def committed(path: str) -> str:
 def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str | None:
     """The newest COMPLETE checkpoint directory under ``root`` (by name, numbers compared as
     numbers: ``step-10`` after ``step-9``), or None. Incomplete or damaged ones are skipped:
-    sizes are checked always, sha256 only with ``checksums`` (it reads every byte).
+    sizes are checked always, sha256 only with ``checksums`` (it reads every byte). An
+    overwrite's ``X.saving`` and ``X.previous`` stand for ``X``: what :func:`committed` finds
+    there (an overwrite interrupted after its renames leaves ``X`` new and ``X.previous`` old).
     Not collective."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         return None
-    names = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))]
+    names = {_without_suffix(d) for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))}
     for name in sorted(names, key=_natural_key, reverse=True):
+        path = committed(os.path.join(root, name))
         try:
-            check_checkpoint(os.path.join(root, name), checksums=checksums)
-            return os.path.join(root, name)
+            check_checkpoint(path, checksums=checksums)
+            return path
         except CheckpointError:
             continue
     return None
+
+
+def _without_suffix(name: str) -> str:
+    for suffix in (SAVING, PREVIOUS):
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
 
 
 # ------------------------------------------ torch.distributed.checkpoint's directories (DCP)

@@ -133,9 +133,11 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
 
 # [Note: overwrite] Replacing a checkpoint never leaves none: the new one is written into
 # ``path.saving``; once complete, rank 0 renames ``path`` -> ``path.previous`` and
-# ``path.saving`` -> ``path``, then deletes ``path.previous``. At every moment one complete
-# checkpoint is where ``files.committed(path)`` looks (path, else path.saving, else
-# path.previous): a crash leaves the previous or the new one loadable, never a mix, never none.
+# ``path.saving`` -> ``path``, moves back into ``path`` whatever ``path.previous`` holds that no
+# save wrote (files.own_file: the user's ckpt.pt, notes), then deletes ``path.previous``. At every
+# moment one complete checkpoint is where ``files.committed(path)`` looks (path, else
+# path.saving, else path.previous): a crash leaves the previous or the new one loadable, never a
+# mix, never none; the next save finishes what the crash left, the user's files moved back first.
 def _make_room(path: str, group, overwrite: bool) -> str:
     """Where to write: ``path`` when it holds no checkpoint of either format; with
     ``overwrite``, ``path.saving`` beside the one it holds; else refused. Rank 0 first finishes
@@ -147,6 +149,7 @@ def _make_room(path: str, group, overwrite: bool) -> str:
         found = checkpoint_files.committed(path)
         if not os.path.exists(path) and found != path:  # crashed between _swap_in's renames
             os.rename(found, path)
+        _move_users_files(path + PREVIOUS, path)
         for leftover in (path + SAVING, path + PREVIOUS) if holds() and overwrite else ():
             if os.path.exists(leftover):
                 shutil.rmtree(leftover)
@@ -165,8 +168,19 @@ def _swap_in(into: str, path: str, group) -> None:
     if comm.group_rank(group) == 0:
         os.rename(path, path + PREVIOUS)  # a crash here: files.committed finds path.saving
         os.rename(into, path)
+        _move_users_files(path + PREVIOUS, path)
         shutil.rmtree(path + PREVIOUS)
     comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: swapped in")
+
+
+def _move_users_files(source: str, path: str) -> None:
+    """Every entry of ``source`` that no save wrote goes back into ``path`` (one rename each),
+    unless ``path`` holds that name already."""
+    if not os.path.isdir(source) or not os.path.isdir(path):
+        return
+    for name in os.listdir(source):
+        if not checkpoint_files.own_file(name) and not os.path.exists(os.path.join(path, name)):
+            os.rename(os.path.join(source, name), os.path.join(path, name))
 
 
 def _gather_extras(extra, every) -> list:
