@@ -33,7 +33,8 @@ __all__ = ["Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "r
            "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
            "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "FLIGHT",
            "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp",
-           "SUM_STAMP_NUMEL", "sum_stamp", "stamps_differ", "CollectiveError", "set_timeout"]
+           "SUM_STAMP_NUMEL", "sum_stamp", "row_stamp", "stamps_differ", "CollectiveError",
+           "set_timeout"]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,13 +122,15 @@ def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: st
 
 
 # [Note: stamps] What a collective IS, in its own payload: the engine's all-gathers end each
-# rank's row with a stamp (CRC of the buffers' names, then their first 28 bytes), compared before
-# any value is used. Always on, no extra collective: ranks issuing different gathers of equal size
-# (rank 0 evaluating alone) raise. The ledger leaves stamps out. A sum keeps a stamp of bits: the
-# engine's all-reduces end with the CRC's 32 bits b and 1 - b (``sum_stamp``), which averaged (or
-# max, min) come back unchanged only if every rank's agree. A reduce-scatter's chunks have no room:
-# on gloo its messages' tags carry the CRC (gloo matches equal tags only), so two reductions are
-# never combined: they wait and time out, named. A stamped ``tag`` is equal on every rank.
+# rank's row with a stamp (CRC of its identity, flat.identity: every buffer's name and the
+# model's number; then the first 28 bytes of that text), compared before any value is used.
+# Always on, no extra collective: ranks issuing different gathers of equal size (rank 0
+# evaluating alone; rank 0 running model A while rank 1 runs model B) raise. The ledger leaves
+# stamps out. A sum keeps a stamp of bits: the engine's all-reduces end with the CRC's 32 bits b
+# and 1 - b (``sum_stamp``), which averaged (or max, min) come back unchanged only if every
+# rank's agree. A reduce-scatter's chunks have no room: on gloo its messages' tags carry the CRC
+# (gloo matches equal tags only), so two reductions are never combined: they wait and time out,
+# named. A stamped identity is equal on every rank.
 STAMP_BYTES, SUM_STAMP_NUMEL = 32, 64
 
 
@@ -140,6 +143,12 @@ def stamp(what: str, itemsize: int) -> bytearray:
 
 @functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
 def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
+def row_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
+    """``what``'s :func:`stamp` as elements of ``dtype``: what ends each row of a gather."""
+    return torch.frombuffer(stamp(what, dtype.itemsize), dtype=dtype).to(device)
+
+
     """``what``'s stamp for a sum, average, max or min: the bits of its CRC, then 1 minus them."""
     return torch.tensor([(zlib.crc32(what.encode()) >> i & 1) ^ flip for flip in (0, 1)
                          for i in range(SUM_STAMP_NUMEL // 2)], dtype=dtype, device=device)
@@ -408,9 +417,10 @@ def _all_gather_by_broadcasts(output, shard, group, n):
 
 @torch.no_grad()
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", group=None,
-                   async_op: bool = False, tag: str = ""):
+                   async_op: bool = False, tag: str = "", identity: str = ""):
     """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the ``op`` (:data:`OPS`) of
-    every rank's ``full``."""
+    every rank's ``full``. On gloo its messages carry ``identity`` (default: ``tag``): a rank
+    reducing something else never meets them ([Note: stamps])."""
     n, (red, _) = dist.get_world_size(group), _op(op, "reduce_scatter", full)
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
@@ -421,7 +431,7 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
         shard.copy_(full.view_as(shard))
         return _finish(None, async_op, flown=flown)
     if dist.get_backend(group) == "gloo":
-        works, total = _reduce_scatter_by_exchange(mine, full, op, group, n, tag)
+        works, total = _reduce_scatter_by_exchange(mine, full, op, group, n, identity or tag)
         return _finish(works, async_op, total, shard, mine, flown=flown)
     work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None

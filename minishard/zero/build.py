@@ -81,7 +81,7 @@ def sync_initial_state(module: nn.Module, group) -> None:
 def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
                 param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
                 is_replicated=None, device=None, param_init_fn=None,
-                meter: WrapMeter | None = None) -> list[Unit]:
+                meter: WrapMeter | None = None, model: int = 0) -> list[Unit]:
     """Find the units of ``root`` (``units=`` as ZeRO takes it), give every parameter to its
     owner, build the flat buffers on ``groups`` (config.Groups) and fill them.
 
@@ -89,7 +89,7 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     none): parameters of different groups never share a flat buffer, so each shard belongs to
     exactly one group. ``is_replicated(p, places)`` (:func:`replicated_predicate`): is a parameter
     kept whole on every rank? Tensors on the meta device are materialised on ``device`` by
-    ``param_init_fn`` (deferred_init.py)."""
+    ``param_init_fn`` (deferred_init.py). ``model``: the number the buffers' stamps carry."""
     deferred = None
     if has_meta_tensors(root):  # materialised below, broadcast from rank 0
         deferred = DeferredInit(torch.device(device) if device else default_device(),
@@ -103,7 +103,7 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     for uname, mine in owned:  # registration order, root first
         unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
         _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, is_replicated,
-                   deferred, meter)
+                   deferred, meter, model)
         built.append(unit)
         if deferred is None:  # eager: free this unit's original tensors before the next unit
             _adopt(unit, meter)
@@ -174,7 +174,8 @@ def _owners(places, unit_paths: dict[str, str]) -> dict[nn.Parameter, str]:
 
 
 def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dtype, group_of,
-               is_replicated, deferred: DeferredInit | None, meter: WrapMeter) -> None:
+               is_replicated, deferred: DeferredInit | None, meter: WrapMeter,
+               model: int) -> None:
     """One flat buffer per (dtype, requires_grad, param group, device, compute dtype, kept
     whole) of ``unit``'s parameters. Mixed precision computes floating parameters in
     ``param_dtype``, except a BatchNorm's, kept in their own dtype as FSDP1 keeps them: torch's
@@ -198,7 +199,7 @@ def _add_flats(unit: Unit, params, places, groups, flat_mode: FlatMode, param_dt
         layout = [p.to("meta") for p in ps] if deferred else ps  # values later
         flat = FlatBuffer(layout, groups.every if replicated else groups.shard,
                           mode=flat_mode_of(flat_mode, dtype, compute, replicated),
-                          param_dtype=compute, name=tag,
+                          param_dtype=compute, name=tag, model=model,
                           replicate_group=None if replicated else groups.replicate,
                           device=deferred and deferred.device,
                           spec=None if flat_mode is FlatMode.REPLICATED else Spec(

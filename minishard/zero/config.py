@@ -180,21 +180,29 @@ def check_arguments(engine_type: type, module: nn.Module, stage: int, policy, pr
     return groups
 
 
-def check_same_config(module: nn.Module, stage: int, group) -> None:
+_wraps = [0]  # this process's wraps so far: the stamps' model numbers (check_same_config)
+
+
+def check_same_config(module: nn.Module, stage: int, group) -> int:
     """Ranks that disagree on the stage or the model would deadlock later in mismatched
-    collectives; compare a small fingerprint now (MAX of x and of -x gives max and min)."""
+    collectives; compare a small fingerprint now (MAX of x and of -x gives max and min).
+    Returns the model's number, one more than any rank's wraps so far: equal on every rank of
+    ``group``, different for every model a rank wraps, so a gather's stamp (flat.py) tells two
+    models of one architecture apart (and a dry run wrapping on one rank only shifts nothing)."""
     params = list(module.parameters())
     meta = sum(t.is_meta for t in params + list(module.buffers()))  # deferred init: a walk
-    mine = torch.tensor([stage, sum(p.numel() for p in params), len(params), meta],
+    mine = torch.tensor([stage, sum(p.numel() for p in params), len(params), meta, _wraps[0]],
                         dtype=torch.float64)                  # of broadcasts on every rank
     lo, hi = ranks_range(mine, group, tag="ZeRO config check")
-    if not torch.equal(hi, lo):
+    if not torch.equal(hi[:-1], lo[:-1]):
         raise RuntimeError(
             f"ZeRO: ranks disagree on the configuration (stage, parameter count, number of "
             f"parameter tensors, tensors on the meta device): this rank has "
-            f"{mine.long().tolist()}, the ranks range from "
-            f"{lo.long().tolist()} to {hi.long().tolist()}. Every rank must wrap the same model "
-            "with the same stage.")
+            f"{mine[:-1].long().tolist()}, the ranks range from "
+            f"{lo[:-1].long().tolist()} to {hi[:-1].long().tolist()}. Every rank must wrap the "
+            "same model with the same stage.")
+    _wraps[0] = int(hi[-1]) + 1
+    return _wraps[0]
 
 
 # ------------------------------------------------------------------------ optimizer groups

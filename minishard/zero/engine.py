@@ -128,7 +128,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self.mp = mp = mixed_precision or MixedPrecision()
         self.prefetch, self.bucket_bytes, self.find_unused = (prefetch, bucket_bytes,
                                                               find_unused_parameters)
-        check_same_config(module, stage, groups.every)
+        model_number = check_same_config(module, stage, groups.every)  # in the stamps
         group_of, self._group_options = param_group_index(module, param_groups)
         # The unwrapped module's names, in its own order, before the parameters move into flats:
         # state dicts and the full optimizer export (full_state.py) are keyed by these.
@@ -139,7 +139,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                  param_dtype=mp.param_dtype, group_of=group_of,
                                  is_replicated=replicated_predicate(replicate, persist_below),
                                  device=device, param_init_fn=param_init_fn,
-                                 meter=self._wrap_meter)
+                                 meter=self._wrap_meter, model=model_number)
         cast_buffers(module, mp.buffer_dtype)
         guards.guard_parameters(self.units, module, stand_ins=self.policy.reshard_after_forward,
                                 groups=[groups.every] if stage else [])

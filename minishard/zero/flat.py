@@ -43,7 +43,7 @@ from minishard import comm
 from minishard.zero.params import Spec, local
 
 __all__ = ["Layout", "FlatMode", "FlatBuffer", "gather_params", "reduce_grads", "copy_in",
-           "land", "collective_key", "rows_of"]
+           "land", "collective_key", "rows_of", "identity"]
 
 
 # ------------------------------------------------------------------------------ the layout
@@ -138,10 +138,11 @@ class FlatBuffer(Layout):
     def __init__(self, params: list[torch.Tensor], group=None, *, mode: FlatMode = FlatMode.OWN,
                  param_dtype: torch.dtype | None = None, name: str = "",
                  replicate_group=None, device: torch.device | None = None,
-                 spec: Spec | None = None) -> None:
+                 spec: Spec | None = None, model: int = 0) -> None:
         assert mode is not FlatMode.REPLICATED or replicate_group is None, \
             "stage 0 reduces over every rank at once"
         self.group, self.mode, self.name = group, mode, name
+        self.model = model  # the wrap's number (config.check_same_config): in every stamp
         self.spec = spec  # stages 1-3: the user parameters are DTensors (params.py)
         self.replicate_group = replicate_group  # hybrid sharding: the ranks holding our shard too
         self.world, self.rank = comm.group_size(group), comm.group_rank(group)
@@ -186,7 +187,6 @@ class FlatBuffer(Layout):
             self.shard, values = values, values.to(self.param_dtype)
         self.full = values.requires_grad_(self.requires_grad)
         self.full_bytes = values.numel() * values.element_size()  # full's storage, gathered
-        self.stamp = comm.stamp(name, values.element_size())  # ends each row of its gathers
         self.current = False  # full holds the shards as they are now (needs_gather)
         # stages 1-3: each user parameter's DTensorSpec in the master dtype, made once (as_user)
         self.dspecs = [spec.of(shape, self.dtype) for shape in self.shapes] if spec else []
@@ -362,12 +362,18 @@ def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tens
         start += flat.shard_numel
 
 
-def land(flats: list[FlatBuffer], staging: torch.Tensor, work) -> None:
+def identity(flats: list[FlatBuffer]) -> str:
+    """What one collective of ``flats`` is, equal on every rank that issues it: every buffer's
+    name and the model's number ([Note: stamps] in comm.py)."""
+    return f"{'+'.join(f.name for f in flats)} (model {flats[0].model})"
+
+
+def land(flats: list[FlatBuffer], staging: torch.Tensor, work, k: int) -> None:
     """After a gather: every rank's row must end with this rank's stamp ([Note: stamps] in
-    comm.py), then the gathered shards (N x the flats' k's, rank-major) go into each flat's
-    ``full``, one op: parameter j's region of full, viewed (N, width_j), is columns of j."""
+    comm.py), then the gathered shards (N x the flats' k's, rank-major, ``k`` columns) go into
+    each flat's ``full``, one op: parameter j's region of full, viewed (N, width_j), is columns
+    of j."""
     work.wait()
-    k = staging.shape[1] - len(flats[0].stamp) // staging.element_size()
     stamps = staging[:, k:].view(torch.uint8)  # as bytes: a float compare would fail on NaN
     if not bool(stamps.eq(stamps[:1]).all()):
         comm.stamps_differ(stamps, flats[0].group, "all_gather")
@@ -385,8 +391,9 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
                                                rank 1 [a2 a3 b3 b4 b5 | stamp]
         the stamps agree; A's full from staging[:, 0:2], B's from staging[:, 2:5]   (land)
 
-    The stamp ([Note: stamps] in comm.py) says which buffers the gather is for. One buffer at
-    N = 1: full is its shard, no staging. At stage 0 under a cast the gather is the cast."""
+    The stamp ([Note: stamps] in comm.py) says which buffers of which model the gather is for.
+    One buffer at N = 1: full is its shard, no staging. At stage 0 under a cast the gather is
+    the cast."""
     first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
     with torch.no_grad():
         for flat in flats:
@@ -400,15 +407,15 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
             if first.shard is not None:
                 mine.copy_(first.shard)
             handle = comm.all_gather(first.full.data, mine, first.group, async_op=True, tag=tag)
-        else:  # each rank's row: its shards, then the leading buffer's stamp (comm.py)
-            stamp = torch.frombuffer(first.stamp, dtype=first.full.dtype).to(first.full.device)
-            staging = first.full.new_empty(
-                first.chunks, sum(f.shard_numel for f in flats) + stamp.numel())
+        else:  # each rank's row: its shards, then the gather's stamp (comm.py)
+            stamp = comm.row_stamp(identity(flats), first.full.dtype, first.full.device)
+            k = sum(f.shard_numel for f in flats)
+            staging = first.full.new_empty(first.chunks, k + stamp.numel())
             torch.cat([piece for f in flats for piece in f.send_pieces()] + [stamp],
                       out=staging[rank])
             work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag,
                                    stamp=stamp.numel())
-            handle = comm.Handle(then=lambda: land(flats, staging, work))
+            handle = comm.Handle(then=lambda: land(flats, staging, work, k))
     for flat in flats:
         flat.pending = handle
     if not async_op:
@@ -446,13 +453,13 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
             copy_in(flats, grads, send)
         out = send.new_empty(sum(f.shard_numel for f in flats))
         handle = comm.reduce_scatter(out, send.reshape(-1), "avg", first.group, async_op=True,
-                                     tag=tag)
+                                     tag=tag, identity=identity(flats))
         sizes = [f.shard_numel for f in flats]
 
     def deliver() -> None:
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
-            _average_across(out, first.replicate_group, f"{tag} (replicas)")
+            _average_across(out, first.replicate_group, f"{identity(flats)} (replicas)")
         for flat, piece in zip(flats, torch.split(out, sizes)):
             flat.add_shard_grad(piece)
 
@@ -464,7 +471,7 @@ def _all_reduce_stamped(flats: list[FlatBuffer], grads: list[torch.Tensor], tag:
     to their average). Waiting raises on every rank unless each stamp came back as it went, and
     remembers ``out`` where its views become the ``.grad`` (memory_report counts their stamps)."""
     for flat, grad in zip(flats, grads):
-        grad[flat.padded_numel:] = comm.sum_stamp(flat.name, grad.dtype, grad.device)
+        grad[flat.padded_numel:] = comm.sum_stamp(identity([flat]), grad.dtype, grad.device)
     out = grads[0] if len(grads) == 1 else torch.cat(grads)
     handle = comm.all_reduce(out, "avg", flats[0].group, async_op=True, tag=tag,
                              stamp=len(flats) * comm.SUM_STAMP_NUMEL)
@@ -472,7 +479,7 @@ def _all_reduce_stamped(flats: list[FlatBuffer], grads: list[torch.Tensor], tag:
     def check() -> None:  # every stamp, before any gradient is used
         handle.wait()
         for flat, piece in zip(flats, torch.split(out, [f.full.numel() for f in flats])):
-            _check_stamp(piece[flat.padded_numel:], flat.name, flat.group)
+            _check_stamp(piece[flat.padded_numel:], identity([flat]), flat.group)
             if out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
                 flat.stamped = weakref.ref(out)
     return out, comm.Handle(then=check)
