@@ -26,8 +26,8 @@ from hypothesis import given, strategies as st
 from torch import nn
 
 import minishard
-from minishard.observe.memory import (activation_bytes, activation_bytes_per_layer, step_bytes,
-                                      zero_bytes)
+from minishard.observe.memory import (activation_bytes, activation_bytes_per_layer, fmt_decimal,
+                                      step_bytes, zero_bytes)
 from minishard.observe.plan import (choices, estimate, main, min_ranks, parse_bytes, parse_count,
                                     parse_headroom)
 
@@ -167,12 +167,15 @@ def test_module_entry_point():
 
 
 def test_check_outside_torchrun_says_how_to_start_it():
-    """--check predicts and measures ranks: without torchrun it runs nothing and says so."""
+    """--check predicts and measures ranks: without torchrun it runs nothing and says so, in one
+    line whose command is the whole one (--check and --model included)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    proc = subprocess.run([sys.executable, "-m", "minishard.plan", "--check"], capture_output=True,
-                          text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, "-m", "minishard.plan", "--check", "--model", "gpt"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2, proc.stderr  # launch.WRONG_WORLD_SIZE
-    assert "start it with torchrun" in proc.stderr + proc.stdout, (proc.stdout, proc.stderr)
+    assert proc.stderr.count("\n") == 1 and "start it with torchrun, e.g. torchrun --standalone " \
+        "--nproc_per_node=2 -m minishard.plan --check --model gpt" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------- parameter counts and headroom
@@ -513,3 +516,72 @@ def test_step_bytes_equal_the_ledger(pools, world):
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)  # no padding at 2 or 4 ranks
     for rank, per_stage in enumerate(pools(world).run(measured_step_bytes)):
         assert per_stage == [step_bytes(psi, stage, world, 4) for stage in range(4)], rank
+
+
+# ------------------------------------------------- selective recomputation, a GPU on paper
+@given(s=st.integers(1, 4096), b=st.integers(1, 16), h=st.integers(1, 4096).map(lambda x: 8 * x),
+       a=st.sampled_from([1, 2, 4, 8]), layers=st.integers(1, 96))
+def test_selective_recomputation_keeps_the_itemisation_but_the_scores(s, b, h, a, layers):
+    """The paper's selective recomputation (its Table 2: 34sbh a layer): every item of the
+    itemisation but the three a·s²·b ones (softmax output, its dropout mask, dropout output)."""
+    scores = 2 * a * s * s * b + a * s * s * b + 2 * a * s * s * b
+    assert activation_bytes(layers, s, b, h, a, checkpointing="selective") == \
+        layers * (paper_itemisation(s, b, h, a) - scores) == layers * 34 * s * b * h
+
+
+def test_flops_a_token_are_nanogpts_and_torchtitans():
+    """6N + 12·L·H·Q·T, as nanoGPT's estimate_mfu writes it (N its non-embedding count: the tied
+    wte/lm_head counted once) and torchtitan's get_num_flop_per_token (N without the untied
+    input embedding). Written out here, from each one's own terms."""
+    from minishard.observe.on_paper import flops_per_token
+    n_gpt2 = 124_337_664 - 1024 * 768  # GPT-2 124M less its position embedding
+    assert flops_per_token(n_gpt2, 12, 768, 1024) == 6 * n_gpt2 + 12 * 12 * 12 * 64 * 1024
+    llama = 8_030_261_248  # Llama 3.1 8B; its input embedding 128,256 x 4,096 is untied
+    assert flops_per_token(llama, 32, 4096, 8192, vocab=128_256) == \
+        6 * (llama - 128_256 * 4096) + 12 * 32 * 32 * 128 * 8192
+
+
+LLAMA_8B = ["--params", "8030261248", "--ranks", "8", "--memory", "96GB", "--mixed-precision",
+            "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "8192",
+            "--micro-batch", "2", "--checkpointing", "selective"]
+ON_PAPER = ["--tflops", "989", "--efficiency", "0.4", "--link", "450GB", "--vocab", "128256"]
+
+
+def test_the_time_on_paper_is_its_printed_assumptions(capsys):
+    """The table's times from the printed assumptions: compute = s·b x FLOPs a token over
+    TFLOPS x efficiency; communication = the stage's bytes (3Ψ·2·(N-1)/N at stage 3, bf16) over
+    the link; the step the longer (hidden) or the sum (exposed); tokens/s = s·b / step."""
+    out = run_cli(capsys, *LLAMA_8B, *ON_PAPER)
+    flat = " ".join(out.split())
+    per_token = float(re.search(r"Time on paper: ([0-9.]+) GFLOPs a token", flat).group(1)) * 1e9
+    tokens = 8192 * 2
+    compute = tokens * per_token / (989e12 * 0.4)
+    rows = {int(line.split()[0]): line.split() for line in out.split("Time on paper")[1]
+            .splitlines() if re.match(r"^[0-3] ", line)}
+    for stage, sent in ((0, 2), (3, 3)):
+        talk = sent * 8030261248 * 2 * 7 / 8 / 450e9
+        cells = rows[stage]  # stage, compute, comm, hidden, /, exposed, tokens hidden, /, exposed
+        assert float(cells[1]) == pytest.approx(compute, abs=1e-3), cells
+        assert float(cells[2]) == pytest.approx(talk, abs=1e-3), cells
+        assert float(cells[3]) == pytest.approx(max(compute, talk), abs=1e-3)
+        assert float(cells[5]) == pytest.approx(compute + talk, abs=1e-3)
+        assert float(cells[6].replace(",", "")) == pytest.approx(tokens / max(compute, talk),
+                                                                 abs=1)
+    # the memory beside it: 16Ψ/8 of model states and 34sbh a layer, selective, at stage 3
+    assert table_rows(out.split("Time on paper")[0])[3][4] == fmt_decimal(32 * 34 * 8192 * 2 * 4096)
+    assert "Counted: selective" in flat
+
+
+@pytest.mark.parametrize("argv, says", [
+    (LLAMA_8B[:7] + ON_PAPER, "with the transformer shape"),
+    (LLAMA_8B + ON_PAPER[:4], "--tflops, --efficiency and --link together"),
+    (LLAMA_8B + ["--tflops", "989", "--efficiency", "40", "--link", "450GB"], "(0, 1]"),
+    (["--timeline", "3", "--ranks", "0"], "--ranks 0: give a number of ranks, 1 or more"),
+    (["--timeline", "3", "--ranks", "-2"], "--ranks -2: give a number of ranks, 1 or more"),
+    (["--params", "7B", "--ranks", "-2", "--memory", "80GB"], "--ranks must be positive")])
+def test_a_wrong_option_is_one_line(capsys, argv, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and says in err, err
+    assert err.startswith("python -m minishard.plan: error: ") and "Traceback" not in err

@@ -15,9 +15,13 @@ and prefetch on and off, for-loop and foreach Adam).
 import copy
 import functools
 import multiprocessing
+import os
 import re
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +30,7 @@ from hypothesis import given, strategies as st
 
 from minishard import MixedPrecision, ZeRO, comm
 from minishard.observe import plan
+from minishard.observe.memory import zero_bytes
 from minishard.observe.dry_run import Call
 from minishard.observe.predict import (GPT_UNITS, MLP_UNITS, SYSTEMS, DryStep, check, describe,
                                        gpt, mlp, plan_buffers, predict, predict_memory, price,
@@ -299,3 +304,99 @@ def test_dry_runs_together_step_together():
         first, late = pool.starmap(dry_run_late, [(0, port, 0.0), (1, port, 0.5)])
     assert len(first) == len(late) == 3
     assert all(abs(a - b) < 0.1 for a, b in zip(first, late)), (first, late)
+
+
+# ------------------------------------------------------------------- a model of yours: --model
+ROOT = Path(__file__).resolve().parents[1]
+YOURS = str(ROOT / "tests" / "your_models.py")  # written apart from the planner, as a user's
+SYSTEM_NAMES = ["DDP"] + [f"minishard stage {s}" for s in range(4)]
+
+
+@pytest.mark.parametrize("function", ["conv_net", "tied_gpt"])
+def test_check_on_a_model_of_yours(function):
+    """``torchrun --nproc_per_node=2 -m minishard.plan --check --model FILE.py:FUNCTION``: a
+    conv net with BatchNorm (its loss a cross-entropy of its own labels) and a tied-embedding LM
+    returning (logits, loss): for DDP and stages 0-3 a peak_allocated line (predicted within 5%
+    of measured) and a step_time line. Times are printed, never bounded here."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         "-m", "minishard.plan", "--check", "--model", f"{YOURS}:{function}", "--steps", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "predicted=" in line]
+    assert [line.rsplit(" ", 2)[0] for line in lines] == [
+        f"{name} {what}" for name in SYSTEM_NAMES for what in ("peak_allocated", "step_time")]
+    for line in lines:
+        predicted, measured = map(float, re.findall(r"=([\d.]+)", line))
+        assert predicted > 0 and measured > 0, line
+        if "peak_allocated" in line:
+            assert abs(predicted - measured) <= 0.05 * measured, line
+
+
+def test_the_timeline_names_your_models_modules(capsys):
+    """``--timeline 3 --ranks 2 --model FILE.py:tied_gpt``: stage 3's step on each rank names
+    the user's own modules (its units, layers.0-2, each gathered and reduce-scattered)."""
+    plan.main(["--timeline", "3", "--ranks", "2", "--model", f"{YOURS}:tied_gpt", "--steps", "2"])
+    out = capsys.readouterr().out
+    for rank in range(2):
+        assert f"minishard stage 3, rank {rank} of 2, its median step" in out, out
+    for layer in range(3):
+        assert f"all_gather layers.{layer}/float32" in out, out
+        assert f"reduce_scatter layers.{layer}/float32" in out, out
+
+
+def test_the_plan_of_your_model_on_the_meta_device_is_the_zero_formulas(capsys):
+    """A 124M-parameter LM on the meta device, 8 ranks: nothing runs; what a rank holds at rest
+    (parameters and Adam's two moments, fp32; gradients freed by zero_grad) is the ZeRO paper's
+    formula with the gradients left out: 12Ψ at stage 0, 4Ψ + 8Ψ/N at stages 1-2, 12Ψ/N at
+    stage 3, give or take the engine's padding and stamps (under 0.1% here)."""
+    plan.main(["--model", f"{YOURS}:tied_gpt_on_meta", "--ranks", "8"])
+    out = capsys.readouterr().out
+    psi = int(re.search(r": ([\d,]+) parameters", out).group(1).replace(",", ""))
+    rows = {line[:18].strip(): float(line[18:].split()[0]) for line in out.splitlines()
+            if line.startswith("minishard stage")}
+    for stage in range(4):
+        terms = zero_bytes(psi, 8, stage, "adam")
+        want = terms["params"] + terms["optimizer"]
+        assert rows[f"minishard stage {stage}"] == pytest.approx(want / 2**20, rel=1e-3), out
+    assert "ACTIVATIONS NOT COUNTED" in out and "DDP" not in out.split("\n\n")[0], out
+
+
+def test_the_plan_of_your_model_runs_every_system(capsys):
+    """``python -m minishard.plan --model FILE.py:conv_net --ranks 2 --memory 1GB``: a row a
+    system (at rest, step peak, step time), a fits column and the lowest that fits."""
+    plan.main(["--model", f"{YOURS}:conv_net", "--ranks", "2", "--memory", "1GB", "--steps", "2"])
+    out = capsys.readouterr().out
+    rows = {line[:18].strip(): line[18:].split() for line in out.splitlines()
+            if line.startswith(("DDP", "minishard stage"))}
+    assert list(rows) == SYSTEM_NAMES, out
+    rest = [float(cells[0]) for cells in rows.values()]
+    assert all(float(c[1]) > float(c[0]) > 0 and float(c[2]) > 0 and c[3] == "yes"
+               for c in rows.values()), rows
+    assert rest[1] >= rest[2] >= rest[4], rows  # stage 0 >= 1 >= 3 at rest
+    assert "The lowest that fits in 1 GB less 100 MB headroom: DDP" in out, out
+
+
+@pytest.mark.parametrize("function, says", [
+    ("no_file.py:build", "no such file no_file.py"),
+    (f"{YOURS}:no_such_function", "defines no function 'no_such_function' (it defines: "),
+    (f"{YOURS}:returns_a_tuple", "returned a tuple; return a dict"),
+    (f"{YOURS}:no_loss_for_a_tuple_output", "a model whose output is not a tensor needs 'loss'"),
+    (f"{YOURS}:units_not_in_the_model", "'units' DecoderLayer: no module of the model is one"),
+    (YOURS, "give FILE.py:FUNCTION")])
+def test_a_wrong_model_is_one_line(capsys, function, says):
+    for argv in (["--model", function], ["--timeline", "3", "--model", function]):
+        with pytest.raises(SystemExit) as exit_:
+            plan.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and says in err, err
+        assert err.startswith("python -m minishard.plan: error: --model ") and "Traceback" \
+            not in err
+
+
+def test_a_model_on_the_meta_device_is_not_timed(capsys):
+    with pytest.raises(SystemExit):
+        plan.main(["--timeline", "3", "--model", f"{YOURS}:tied_gpt_on_meta"])
+    assert "the model is on the meta device; --check and --timeline run its step" in \
+        capsys.readouterr().err

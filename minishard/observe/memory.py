@@ -44,6 +44,15 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def fmt_decimal(n: float) -> str:
+    """Bytes in decimal units, three significant digits: 1.875e9 -> '1.88 GB'."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 999.5 or unit == "TB":  # 999.5 would print as "1e+03" with 3 digits
+            return f"{n:.3g} {unit}" if abs(n) < 1000 else f"{n:,.0f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 def bar_chart(rows: list[tuple[str, dict[str, float]]], width: int = 48) -> str:
     """Stacked horizontal bars, one per row: ``[(label, {part: value, ...}), ...]``.
     Each part gets its own fill character; the legend is printed below."""
@@ -74,7 +83,8 @@ def pyplot():
 
 # ------------------------------------------------------------------------------- activations
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int,
-                               checkpointing: bool = False, element_bytes: int = 2) -> float:
+                               checkpointing: bool | str = False,
+                               element_bytes: int = 2) -> float:
     """Activation bytes ONE transformer layer keeps for its backward, per rank (no tensor or
     sequence parallelism), from Korthikanti et al. 2022, "Reducing Activation Recomputation in
     Large Transformer Models" (arXiv:2205.05198, section 4.1 and Table 2), for sequence length
@@ -89,11 +99,15 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
         total      sbh(34 + 5as/h)
 
     With full activation checkpointing a layer keeps only its input: 2sbh (the paper's
-    "full recomputation" row). ``element_bytes`` = 4 (fp32 activations) rescales the 2-byte
+    "full recomputation" row); ``checkpointing="selective"``, the paper's selective
+    recomputation (the attention scores recomputed in backward, never stored: FlashAttention's
+    way too), keeps sbh·34. ``element_bytes`` = 4 (fp32 activations) rescales the 2-byte
     items of the same itemisation, masks staying 1 byte: sbh(66 + 9as/h); that case is our
     derivation, not a number from the paper. FlashAttention-style kernels never store the
     as²b terms (the paper's "selective recomputation" keeps the same 34sbh)."""
     s, b, h, a, e = seq, micro_batch, hidden, heads, element_bytes
+    if checkpointing == "selective":  # the paper's selective recomputation: scores recomputed
+        return (16 * e + 2) * s * b * h
     if checkpointing:
         return e * s * b * h
     linear = (16 * e + 2) * s * b * h         # e = 2: 34 sbh (32 in 2-byte tensors + 2 masks)
@@ -102,7 +116,7 @@ def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: i
 
 
 def activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int,
-                     checkpointing: bool = False, element_bytes: int = 2) -> float:
+                     checkpointing: bool | str = False, element_bytes: int = 2) -> float:
     """Peak activation bytes per rank for a stack of ``layers`` transformer layers.
 
     Without checkpointing: layers x sbh(34 + 5as/h). With it: every layer's stored input,
@@ -111,7 +125,7 @@ def activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads
     the output layer and the loss (s·b·vocab logits) are not counted."""
     per = activation_bytes_per_layer(seq, micro_batch, hidden, heads, checkpointing,
                                      element_bytes)
-    if not checkpointing:
+    if checkpointing in (False, None, "selective"):  # (selective: layers x sbh·34 in 16 bits)
         return layers * per
     return layers * per + activation_bytes_per_layer(seq, micro_batch, hidden, heads, False,
                                                      element_bytes)

@@ -22,7 +22,7 @@ by communicating more (stage 3: 1.5x the bytes of stages 0-2) or at least more o
 
 --nodes R --ranks-per-node S (N = R·S ranks) adds a table: bytes per rank per step
 (``step_bytes``, b bytes an element), and the choice that fits with the fewest bytes crossing
-nodes (why a ring over all N counts wholly: [Note: crosses nodes] in plan.py):
+nodes (why a ring over all N counts wholly: [Note: crosses nodes] in nodes.py):
 
     DDP, stages 1-2     2Ψb(N-1)/N      all of it crosses nodes when R > 1
     stage 3             3Ψb(N-1)/N      all of it crosses nodes when R > 1
@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import sys
 import textwrap
 
-from minishard.observe.memory import (OPTIMIZER_BYTES, activation_bytes, hybrid_step_bytes,
-                                      step_bytes, zero_bytes)
+from minishard.observe.memory import OPTIMIZER_BYTES, activation_bytes, fmt_decimal, zero_bytes
+from minishard.observe.nodes import choices, left_words, multi_node_lines, recommend_choice
+from minishard.observe.on_paper import GPU_OPTIONS, add_arguments, gpu_lines
 
 __all__ = ["parse_bytes", "parse_count", "parse_headroom", "fmt_decimal", "estimate",
            "min_ranks", "choices", "report", "main"]
@@ -79,15 +82,6 @@ def parse_headroom(text: str, memory: float) -> float:
             raise ValueError(f"headroom {text!r}: a percentage must be in [0, 100)")
         return memory * pct / 100
     return parse_bytes(text)
-
-
-def fmt_decimal(n: float) -> str:
-    """Bytes in decimal units, three significant digits: 1.875e9 -> '1.88 GB'."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 999.5 or unit == "TB":  # 999.5 would print as "1e+03" with 3 digits
-            return f"{n:.3g} {unit}" if abs(n) < 1000 else f"{n:,.0f} {unit}"
-        n /= 1000
-    raise AssertionError("unreachable")
 
 
 # [Note: assumptions] What the estimate counts, in full:
@@ -141,58 +135,6 @@ def min_ranks(params: float, memory: float, stage: int, optimizer: str = "adam",
     return 1 if divisible == 0 else max(1, math.ceil(divisible / (memory - fixed)))
 
 
-# [Note: crosses nodes] Several nodes (``--nodes R --ranks-per-node S``, N = R·S ranks): the
-# second table sets DDP, stages 1-3 over all N ranks and hybrid stages 1-3 (sharded over the S
-# ranks of a node, replicated across nodes: minishard's ``mesh=``; FSDP1 HYBRID_SHARD at stage 3
-# and _HYBRID_SHARD_ZERO2 at stage 2, FSDP2 on a 2-D mesh, DeepSpeed MiCS at stage 3; not ZeRO++
-# hpZ, which keeps optimizer state and gradients sharded over all N ranks) side by side, with
-# memory per rank and bytes per rank per step (``minishard.observe.memory.step_bytes``) inside a
-# node and across nodes, b = 4 bytes per element (2 with --mixed-precision).
-# What "crosses nodes" means per rank, under the ring model: a collective over all N ranks is a
-# ring through every rank, ranks of one node adjacent, so R of its N hops join two nodes. Every
-# chunk (or its partial sum) travels the whole ring, so it reaches the other nodes, and each
-# boundary hop carries as many bytes as a rank sends: the whole collective runs at the speed of
-# the inter-node link. We therefore count ALL of a rank's bytes as crossing. Hybrid sharding
-# keeps the shard-group rings inside a node and crosses nodes only in the all-reduce of each
-# rank's gradient shard with its R-1 peers (one per node), a ring in which every hop crosses.
-# The recommendation: of the choices that fit, the one with the fewest cross-node bytes (ties:
-# fewest bytes in all, then the lowest stage); on one node, the lowest stage that fits.
-def choices(params: float, nodes: int, ranks_per_node: int, memory: float,
-            optimizer: str = "adam", mixed_precision: bool = False, headroom: float = 0.0,
-            activations: float = 0.0, replicated: float = 0) -> list[dict]:
-    """Multi-node: DDP, stages 1-3 over all R·S ranks, and hybrid stages 1-3, each with its memory
-    per rank (model states + activations), bytes per rank per step inside a node and across
-    nodes (the module docstring's table), what is left, and whether it fits."""
-    n, elem = nodes * ranks_per_node, 2 if mixed_precision else 4
-    rows = []
-    for stage in range(4):
-        sent = step_bytes(params, stage, n, elem)
-        crossing = nodes > 1  # one ring over every rank: see "crosses nodes" in the docstring
-        states = sum(zero_bytes(params, n, stage, optimizer, mixed_precision,
-                                replicated).values())
-        rows.append({"choice": "DDP (stage 0)" if stage == 0 else f"stage {stage}",
-                     "stage": stage, "states": states, "intra": 0.0 if crossing else sent,
-                     "cross": sent if crossing else 0.0})
-    for stage in range(1, 4):  # sharded over the S ranks of a node, replicated across nodes
-        rows.append({"choice": f"hybrid stage {stage}", "stage": stage,
-                     "states": sum(zero_bytes(params, ranks_per_node, stage, optimizer,
-                                              mixed_precision, replicated).values()),
-                     **hybrid_step_bytes(params, nodes, ranks_per_node, elem, stage)})
-    for row in rows:
-        row["memory"] = row["states"] + activations
-        row["left"] = memory - headroom - row["memory"]
-        row["fits"] = row["left"] >= 0
-    return rows
-
-
-def recommend_choice(rows: list[dict]) -> dict | None:
-    """Of the fitting choices, the fewest cross-node bytes, then fewest bytes, then lowest stage
-    (on one node every choice crosses nothing: the lowest stage that fits)."""
-    fitting = [r for r in rows if r["fits"]]
-    return min(fitting, key=lambda r: (r["cross"], r["cross"] + r["intra"], r["stage"]),
-               default=None)
-
-
 def _activation_lines(shape: dict | None, element_bytes: int) -> tuple[list[str], float]:
     if shape is None:
         return (["activations NOT counted (give --layers --hidden --heads --seq --micro-batch "
@@ -200,7 +142,9 @@ def _activation_lines(shape: dict | None, element_bytes: int) -> tuple[list[str]
     dims = {k: shape[k] for k in ("layers", "seq", "micro_batch", "hidden", "heads")}
     plain = activation_bytes(**dims, checkpointing=False, element_bytes=element_bytes)
     ckpt = activation_bytes(**dims, checkpointing=True, element_bytes=element_bytes)
-    used = ckpt if shape["checkpointing"] else plain
+    selective = activation_bytes(**dims, checkpointing="selective", element_bytes=element_bytes)
+    how = shape["checkpointing"]
+    used = {"selective": selective, "full": ckpt, True: ckpt}.get(how, plain)
     formula, ckpt_formula = activation_formulas(element_bytes)
     source = ("the paper's 16-bit itemisation" if element_bytes == 2 else
               "the paper's itemisation with fp32 tensors (4 bytes), masks 1 byte: our rescaling")
@@ -209,8 +153,10 @@ def _activation_lines(shape: dict | None, element_bytes: int) -> tuple[list[str]
         f"{source}): {formula} without checkpointing, {ckpt_formula} with full activation "
         f"checkpointing, for L={shape['layers']} layers, s={shape['seq']}, "
         f"b={shape['micro_batch']}, h={shape['hidden']}, a={shape['heads']}: "
-        f"{fmt_decimal(plain)} without, {fmt_decimal(ckpt)} with "
-        f"(counted: {'with' if shape['checkpointing'] else 'without'})."]
+        f"{fmt_decimal(plain)} without, {fmt_decimal(ckpt)} with; with selective recomputation "
+        f"(the paper's: attention's scores recomputed, never stored) "
+        f"L·s·b·h·{16 * element_bytes + 2}: {fmt_decimal(selective)}. Counted: "
+        f"{'without' if not how else 'selective' if how == 'selective' else 'with full'}."]
     return lines, used
 
 
@@ -240,10 +186,11 @@ def _dtypes(optimizer: str, mixed_precision: bool) -> str:
 
 def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
            mixed_precision: bool = False, headroom: float = 0.0, shape: dict | None = None,
-           nodes: int | None = None, replicated: float = 0) -> str:
+           nodes: int | None = None, replicated: float = 0, gpu: dict | None = None) -> str:
     """The printed estimate. ``shape``: {layers, seq, micro_batch, hidden, heads,
     checkpointing} or None; ``nodes``: with ``ranks`` ranks per node, adds the multi-node table;
-    ``replicated``: parameters kept whole on every rank, counted at full size."""
+    ``replicated``: parameters kept whole on every rank, counted at full size; ``gpu``:
+    {tflops, efficiency, link, vocab}, the time on paper (observe/on_paper.py), with a shape."""
     elem = 2 if mixed_precision else 4
     world = ranks * (nodes or 1)
     act_lines, acts = _activation_lines(shape, elem)
@@ -280,34 +227,30 @@ def report(params: float, ranks: int, memory: float, optimizer: str = "adam",
         lines.append(f"{r['stage']:<6}{cells}{fmt_decimal(r['left']):>11}  "
                      f"{'yes' if r['fits'] else 'no'}")
     lines.append("")
+    if gpu is not None:
+        lines += [line for text in gpu_lines(params, world, shape, gpu, elem)
+                  for line in (textwrap.wrap(text, 100) if len(text) > 100 else [text])] + [""]
     if nodes:
-        lines += _multi_node_lines(params, nodes, ranks, memory, optimizer, mixed_precision,
-                                   headroom, acts, act_col, replicated)
+        lines += multi_node_lines(params, nodes, ranks, memory, optimizer, mixed_precision,
+                                  headroom, acts, act_col, replicated)
     else:
         lines += textwrap.wrap(_advice(rows, params, world, memory - headroom - acts, optimizer,
                                        mixed_precision, act_col, shape, replicated), 100)
     return "\n".join(lines)
 
 
-def _left_words(row: dict, counted: bool) -> str:
-    if counted:
-        return (f"{fmt_decimal(row['left'])} stays free beyond the counted activations and the "
-                "headroom")
-    return f"it leaves {fmt_decimal(row['left'])} per rank for activations"
-
-
 def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, shape,
             replicated) -> str:
     fitting = [r for r in rows if r["fits"]]
     if fitting and fitting[0]["stage"] == 0:
-        return (f"Recommendation: stage 0; {_left_words(fitting[0], counted)}. If the model "
+        return (f"Recommendation: stage 0; {left_words(fitting[0], counted)}. If the model "
                 "fits, plain DDP (stage 0) is simplest and fastest: nothing to gather, one "
                 "all-reduce of the gradients per step. Higher stages only buy room for "
                 "activations (larger batches).")
     if fitting:
         s = fitting[0]
         return (f"Recommendation: stage {s['stage']}, the lowest stage that fits; "
-                f"{_left_words(s, counted)} (stages 1-2 send the same bytes as DDP; stage 3 "
+                f"{left_words(s, counted)} (stages 1-2 send the same bytes as DDP; stage 3 "
                 "sends 1.5x as many, gathering parameters in every forward and backward).")
     hint = ""
     if shape is not None and not shape["checkpointing"]:
@@ -324,57 +267,6 @@ def _advice(rows, params, world, usable, optimizer, mixed_precision, counted, sh
             + (" and activations" if counted else " alone")
             + "; otherwise offload optimizer state to CPU or split the model (tensor/pipeline "
             "parallelism)." + hint)
-
-
-# memory.step_bytes / hybrid_step_bytes as printed (tests/test_plan.py evaluates them).
-MULTI_NODE_FORMULAS = {
-    "stages 0-2 over all N": "across 2·Ψ·b·(N-1)/N",
-    "stage 3 over all N": "across 3·Ψ·b·(N-1)/N",
-    "hybrid stages 1-2": "in node 2·Ψ·b·(S-1)/S, across 2·(Ψ/S)·b·(R-1)/R",
-    "hybrid stage 3": "in node 3·Ψ·b·(S-1)/S, across 2·(Ψ/S)·b·(R-1)/R"}
-
-
-def _on(nodes: int, who: str, formula: str) -> str:
-    """On one node a ring over all N ranks crosses no node: its bytes stay in the node."""
-    return formula if nodes > 1 or "hybrid" in who else formula.replace("across", "in node")
-
-
-def _multi_node_lines(params, nodes, per_node, memory, optimizer, mixed_precision, headroom,
-                      acts, counted, replicated) -> list[str]:
-    rows = choices(params, nodes, per_node, memory, optimizer, mixed_precision, headroom, acts,
-                   replicated)
-    elem = 2 if mixed_precision else 4
-    lines = textwrap.wrap(
-        f"{nodes} nodes x {per_node} ranks. Hybrid: each stage over a node's S = {per_node} "
-        f"ranks, replicated over the R = {nodes} nodes. Bytes sent per rank per step (ring "
-        f"model, b = {elem}-byte elements, N = {nodes * per_node}): "
-        + "; ".join(f"{who}: {_on(nodes, who, formula)}"
-                    for who, formula in MULTI_NODE_FORMULAS.items())
-        + ". Simplification: a ring over all N ranks counts ALL of its bytes as crossing "
-        "nodes (every chunk passes a node boundary, so the collective runs at the inter-node "
-        "link's speed; only R of its N hops actually join two nodes).", 100)
-    lines += [f"{'choice':<16}{'memory':>11}{'left':>11}{'in node':>11}{'across':>11}  fits"]
-    for r in rows:
-        lines.append(f"{r['choice']:<16}" + "".join(
-            f"{fmt_decimal(r[t]):>11}" for t in ("memory", "left", "intra", "cross"))
-            + f"  {'yes' if r['fits'] else 'no'}")
-    lines.append("")
-    best = recommend_choice(rows)
-    lines += textwrap.wrap(
-        "Rule with --nodes: of the choices that fit, the FEWEST BYTES ACROSS NODES (ties: "
-        "fewest bytes in all, then the lowest stage), not the one-node rule (the lowest stage "
-        "that fits): inter-node links are the slow ones.", 100)
-    if best is None:
-        advice = (f"Recommendation: nothing fits on {nodes * per_node} ranks; add nodes (stage "
-                  "3 over more ranks), offload, or split the model.")
-    elif nodes == 1 or best["cross"] == 0:
-        advice = (f"Recommendation: {best['choice']}, the lowest stage that fits "
-                  f"({_left_words(best, counted)}); on one node nothing crosses a node.")
-    else:
-        advice = (f"Recommendation: {best['choice']}: of the choices that fit, it sends the "
-                  f"fewest bytes across nodes, {fmt_decimal(best['cross'])} per rank per step "
-                  f"(inter-node links are the slow ones); {_left_words(best, counted)}.")
-    return lines + textwrap.wrap(advice, 100)
 
 
 def _arg(parse):
@@ -409,23 +301,59 @@ def _check_ranks(parser, args) -> bool:
     return multi
 
 
+def _headroom(parser, args) -> float:
+    try:
+        headroom = parse_headroom(args.headroom, args.memory)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if headroom >= args.memory:
+        parser.error(f"--headroom {args.headroom} leaves nothing of --memory")
+    return headroom
+
+
+def _gpu(parser, args, shape: dict | None) -> dict | None:
+    """--tflops, --efficiency and --link, checked: all three with a shape, or none."""
+    given = [getattr(args, n) is not None for n in GPU_OPTIONS]
+    if not any(given):
+        return None
+    if not all(given) or shape is None:
+        parser.error("the time on paper needs --tflops, --efficiency and --link together, with "
+                     "the transformer shape (--layers ... --micro-batch)")
+    if args.tflops <= 0 or args.link <= 0 or not 0 < args.efficiency <= 1:
+        parser.error("--tflops and --link must be positive, --efficiency in (0, 1]")
+    return {n: getattr(args, n) for n in (*GPU_OPTIONS, "vocab")}
+
+
 def _dry_run_arguments(parser) -> None:
-    """--check and --timeline: the step run here, in dry runs (observe/predict.py)."""
+    """--model, --check, --timeline: a model's own step, run here (observe/model_plan.py)."""
+    parser.add_argument("--model", metavar="mlp|gpt|FILE.py:FUNCTION",
+                        help="plan this model on --ranks (default 2): DDP and stages 0-3, what "
+                             "a rank holds, its step's peak and time (FUNCTION() returns "
+                             "{'model', 'batch', 'units', 'loss'}: observe/models.py)")
     parser.add_argument("--check", action="store_true",
-                        help="under torchrun: predict a model's step (peak allocated bytes, step "
-                             "time) with DDP and stages 0-3 and measure it here "
-                             "(observe/predict.py)")
+                        help="under torchrun: predict --model's step (default mlp) with DDP and "
+                             "stages 0-3, then measure it here")
     parser.add_argument("--timeline", metavar="SYSTEM", choices=("ddp", "0", "1", "2", "3"),
-                        help="dry runs here of --model on --ranks (default 2) ranks: DDP and "
-                             "stages 0-3 predicted, and SYSTEM's step on every rank, in time")
+                        help="dry runs here of --model (default mlp) on --ranks (default 2): "
+                             "DDP and stages 0-3 predicted, SYSTEM's step on every rank in time")
     parser.add_argument("--wire", action="store_true",
                         help="--timeline as if collectives had a link of their own (a GPU's)")
-    parser.add_argument("--model", choices=("mlp", "gpt"), default="mlp",
-                        help="--check's, --timeline's model: bench/'s MLP or a small GPT")
+    parser.add_argument("--steps", type=int,
+                        help="steps timed a system (defaults: --check 20, --timeline 10, "
+                             "--model 5)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An error is one line (on rank 0 alone under torchrun), then exit status 2."""
+
+    def error(self, message: str):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minishard.plan",
+    parser = _Parser(prog="python -m minishard.plan",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
@@ -448,13 +376,15 @@ def main(argv: list[str] | None = None) -> None:
     shape = parser.add_argument_group("transformer shape (all five, to count activations)")
     for name in _SHAPE:
         shape.add_argument("--" + name.replace("_", "-"), type=int)
-    shape.add_argument("--checkpointing", action="store_true",
-                       help="full activation checkpointing (recompute each layer in backward)")
+    shape.add_argument("--checkpointing", nargs="?", const="full", choices=("full", "selective"),
+                       help="activation checkpointing: full (recompute each layer in backward; "
+                            "the default) or selective (recompute attention's scores)")
+    add_arguments(parser, _memory_arg)
     args = parser.parse_args(argv)
-    if args.check or args.timeline:
-        from minishard.observe import predict  # (the engine: only for these)
-        return (predict.check_here(args.model) if args.check else
-                predict.print_timeline(args.model, args.ranks or 2, args.timeline, args.wire))
+    if args.check or args.timeline or args.model:
+        from minishard.observe import model_plan  # (torch and the engine: only for these)
+        headroom = _headroom(parser, args) if args.memory is not None else 0.0
+        return model_plan.command(parser, args, sys.argv[1:] if argv is None else argv, headroom)
     if args.params is None or args.memory is None:
         parser.error("give --params and --memory (or --timeline, or --check under torchrun)")
     if args.params <= 0 or args.memory <= 0:
@@ -470,17 +400,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("the transformer shape's numbers must be positive")
     if args.checkpointing and not given:
         parser.error("--checkpointing needs the transformer shape (--layers ... --micro-batch)")
-    try:
-        headroom = parse_headroom(args.headroom, args.memory)
-    except ValueError as exc:
-        parser.error(str(exc))
-    if headroom >= args.memory:
-        parser.error(f"--headroom {args.headroom} leaves nothing of --memory")
+    headroom = _headroom(parser, args)
     shape_d = ({n: getattr(args, n) for n in _SHAPE} | {"checkpointing": args.checkpointing}
                if given else None)
+    gpu = _gpu(parser, args, shape_d)
     per_node = args.ranks_per_node if multi else args.ranks
     print(report(args.params, per_node, args.memory, args.optimizer, args.mixed_precision,
-                 headroom, shape_d, args.nodes if multi else None, args.replicated))
+                 headroom, shape_d, args.nodes if multi else None, args.replicated, gpu))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from torch import nn
 from minishard import comm
 from minishard.observe.allocations import Allocations
 from minishard.observe.dry_run import dry_run
+from minishard.observe.models import GPT_UNITS, MLP_UNITS, Model, gpt, mean_square, mlp
 from minishard.zero.build import flat_groups, flat_mode_of, owned_params, replicated_predicate
 from minishard.zero.config import MixedPrecision
 from minishard.zero.engine import STAGES, ZeRO
@@ -50,7 +51,7 @@ from minishard.zero.meters import transients
 __all__ = ["PlannedBuffer", "plan_buffers", "predict_memory", "OPTIMIZER_STATE", "Run", "train",
            "train_all", "predict", "DryStep", "Span", "timeline", "step_time", "price",
            "predictions", "check", "timelines", "describe", "check_here", "print_timeline",
-           "SYSTEMS", "mlp", "MLP_UNITS", "gpt", "GPT_UNITS", "MODELS"]
+           "SYSTEMS", "mlp", "MLP_UNITS", "gpt", "GPT_UNITS", "Model"]
 
 # Elements of optimizer state a master element keeps (torch's optimizers, after their first step).
 OPTIMIZER_STATE = {"adam": 2, "adamw": 2, "sgd": 1, "sgd-nomomentum": 0}
@@ -122,79 +123,17 @@ def _real(b: PlannedBuffer) -> int:
                if len(shape))
 
 
-class _Block(nn.Module):  # bench/zero_vs_stock.py's MLP block
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(d, d)
-
-    def forward(self, x):
-        return nn.functional.gelu(self.linear(x))
-
-
-def mlp(width: int = 512, blocks: int = 8, batch: int = 32):
-    """bench/'s MLP: ``blocks`` Linear(width, width) + GELU, and a batch of ``batch`` rows."""
-    return nn.Sequential(*[_Block(width) for _ in range(blocks)]), torch.randn(batch, width)
-
-
-MLP_UNITS = {_Block}  # its ZeRO units
-
-
-class _Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads, self.qkv, self.proj = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in self.qkv(x).split(d, dim=2))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class _GPTBlock(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2 = nn.LayerNorm(d), _Attention(d, heads), nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class _GPT(nn.Module):
-    """nanoGPT's shape: token and position embeddings, blocks, a head tied to the embedding."""
-
-    def __init__(self, vocab: int, seq: int, d: int, heads: int, layers: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.Sequential(*[_GPTBlock(d, heads) for _ in range(layers)])
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        return self.head(self.ln_f(self.blocks(x)))
-
-
-def gpt(vocab: int = 512, seq: int = 64, d: int = 128, layers: int = 4, batch: int = 4):
-    """A small GPT (4 heads) and a batch of ``batch`` sequences of ``seq`` tokens."""
-    return _GPT(vocab, seq, d, 4, layers), torch.randint(0, vocab, (batch, seq))
-
-
-GPT_UNITS = {_GPTBlock}
-MODELS = {"mlp": (mlp, MLP_UNITS), "gpt": (gpt, GPT_UNITS)}  # --model (--check, --timeline)
-
-
 @dataclasses.dataclass
 class Run:
     """A few training steps of one system on this rank: the peak allocated bytes (the states
-    held included), what was alive then (Allocations' records), each timed step's seconds."""
+    held included), what was alive then (Allocations' records), each timed step's seconds, and
+    what stayed allocated after a step beyond what ``build()`` made besides the module (the
+    batch): ``at_rest``, the parameters, the optimizer's state and what the system keeps."""
     peak: int
     at_peak: list
     step_s: list[float]
     dry_steps: list["DryStep"] = dataclasses.field(default_factory=list)  # a dry run's
+    at_rest: int = 0
 
     @property
     def median_s(self) -> float:
@@ -210,24 +149,25 @@ class Run:
         return dict(parts.most_common())
 
 
-def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, **zero) -> Run:
-    """On the current process group: ``build()`` -> (module, batch) under a fixed seed, wrapped
-    as ``system`` ("ddp": torch's DistributedDataParallel; 0-3: ``ZeRO(stage=...)`` with
-    ``zero``'s arguments), trained one warm-up step and ``steps`` steps counted by
-    ``Allocations`` (from before the module is built), then ``timed`` steps under a clock.
-    ``optimizer(params)``: torch.optim.Adam by default (lr 1e-4). The loss: the output's mean
-    square."""
-    return train_all(build, [system], steps, timed, optimizer, **zero)[0]
+def train(build, system, steps: int = 2, timed: int = 0, optimizer=None, loss=None,
+          **zero) -> Run:
+    """On the current process group: ``build()`` -> (module, batch) under a fixed seed (a
+    batch that is a tuple is ``module(*batch)``'s), wrapped as ``system`` ("ddp": torch's
+    DistributedDataParallel; 0-3: ``ZeRO(stage=...)`` with ``zero``'s arguments), trained one
+    warm-up step and ``steps`` steps counted by ``Allocations`` (from before the module is
+    built), then ``timed`` steps under a clock. ``optimizer(params)``: torch.optim.Adam by
+    default (lr 1e-4); ``loss(output)``: the output's mean square by default."""
+    return train_all(build, [system], steps, timed, optimizer, loss, **zero)[0]
 
 
-def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None,
+def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None, loss=None,
               **zero) -> list[Run]:
     """:func:`train` for each of ``systems``, the peaks one system at a time, then the timed
     steps taken in turns (a step of each, ``timed`` times): this machine's drift moves every
     system's time alike, so their order is the systems', not the minute's."""
     runs, steps_of = [], []
     for system in systems:
-        run, step = _trained(build, system, steps, optimizer, **zero)
+        run, step = _trained(build, system, steps, optimizer, loss or mean_square, **zero)
         runs.append(run)
         steps_of.append(step)
     calls = getattr(dist.group.WORLD, "calls", None)  # a dry run's: predicted
@@ -246,7 +186,7 @@ def train_all(build, systems, steps: int = 2, timed: int = 0, optimizer=None,
     return runs
 
 
-def _trained(build, system, steps: int, optimizer, **zero):
+def _trained(build, system, steps: int, optimizer, loss, **zero):
     """(its Run, untimed yet; its step)."""
     make = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-4))
 
@@ -258,11 +198,13 @@ def _trained(build, system, steps: int, optimizer, **zero):
         opt.zero_grad()
 
     def step() -> None:
-        backpropagate(model(batch).float().square().mean())
+        backpropagate(loss(model(*batch) if isinstance(batch, tuple) else model(batch)))
         update()
     with Allocations() as alloc:
         torch.manual_seed(0)
         module, batch = build()
+        data = alloc.now - sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                                for t in (*module.parameters(), *module.buffers())}.values())
         model = (nn.parallel.DistributedDataParallel(module) if system == "ddp"
                  else ZeRO(module, stage=system, **zero))
         opt = make(model.parameters())
@@ -270,7 +212,7 @@ def _trained(build, system, steps: int, optimizer, **zero):
         alloc.reset_peak()
         for _ in range(steps):
             step()
-    return Run(alloc.peak, alloc.at_peak, []), step
+    return Run(alloc.peak, alloc.at_peak, [], at_rest=alloc.now - data), step
 
 
 def predict(build, system, world: int, rank: int = 0, together: dist.Store | None = None,
@@ -482,19 +424,20 @@ def describe(runs: list[list[Run]], systems=SYSTEMS, shown=3, wire: bool = False
     return lines
 
 
-def check_here(model: str) -> None:
+def check_here(model: Model, timed: int = 20) -> None:
     """``python -m minishard.plan --check --model MODEL`` (under torchrun): :func:`check`."""
     from minishard.launch import session
-    build, units = MODELS[model]
-    predicted = predictions(build, units=units)  # dry runs: before the process group
+    made = model.check(runs=True)
+    zero = {"units": made["units"], "loss": made["loss"]}
+    predicted = predictions(model, timed=timed, **zero)  # dry runs: before the process group
     with session() as (rank, _):
-        lines = check(predicted, build, units=units)
+        lines = check(predicted, model, timed=timed, **zero)
         if rank == 0:
             print("\n".join(lines))
 
 
-def print_timeline(model: str, world: int, shown: str, wire: bool) -> None:
+def print_timeline(model: Model, world: int, shown: str, wire: bool, timed: int = 10) -> None:
     """``python -m minishard.plan --timeline SYSTEM``: :func:`describe`."""
-    build, units = MODELS[model]
-    runs = timelines(build, world, units=units)
+    made = model.check(runs=True)
+    runs = timelines(model, world, timed=timed, units=made["units"], loss=made["loss"])
     print("\n".join(describe(runs, shown=shown if shown == "ddp" else int(shown), wire=wire)))
