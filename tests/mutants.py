@@ -250,8 +250,9 @@ MUTANTS = {
     "optimizer_state_of_the_whole_kept": (
         "an optimizer whose state was loaded before wrapping keeps it for the WHOLE parameter "
         "(nanoGPT's resume): its step mixes full-shaped moments with this rank's rows",
-        [("minishard/zero/guards.py", "            _keep_state_rows(optimizer.state.get(group[\"params\"][i]), "
-          "group[\"params\"][i])", "            pass")],
+        [("minishard/zero/guards.py",
+          "            problem = _keep_state_rows(optimizer.state.get(p), p) or problem",
+          "            pass")],
         ["tests/test_your_parameters.py::test_nanogpt_resume_loads_the_optimizer_before_wrapping"]),
     "reductions_combined_by_size_alone": (
         "the messages of gloo's reduce-scatter carry no stamp: ranks reducing different units "
@@ -297,8 +298,8 @@ MUTANTS = {
     "dtensor_shards_of_another_cut_loaded": (
         "a state dict of one rank's DTensor shards loaded at another world size or stage: "
         "torch's raw mesh error, not the way forward",
-        [("minishard/zero/guards.py", "            elif isinstance(value, DTensor) and _cut(value) != _cut(p):",
-          "            elif False:")],
+        [("minishard/zero/guards.py", "            if isinstance(value, DTensor) and _cut(value) != _cut(p):",
+          "            if False:")],
         ["tests/test_errors.py::test_dtensor_shards_load_only_as_they_were_cut"]),
     "optimizer_built_before_steps_the_originals": (
         "an optimizer built before wrapping keeps stepping the parameters wrapping replaced: "
@@ -383,6 +384,82 @@ MUTANTS = {
         [("minishard/zero/schedule.py", "if id(flat) in self._reduced and (",
           "if id(flat) in self._reduced or 0 and (")],
         ["tests/test_training.py::test_a_gradient_arriving_in_two_parts_is_reduced_whole"]),
+    # ---- issue 63: the newest promises kept
+    "optimizer_adopted_at_its_first_step_only": (
+        "an optimizer built before wrapping holds the emptied originals until its first step "
+        "(clip over param_groups sees no gradient, GradScaler and Join refuse)",
+        [("minishard/zero/engine.py",
+          "        guards.adopt_live_optimizers()  # an optimizer built before wrapping: ours from now on\n",
+          "")],
+        ["tests/test_optimizer_before_wrap.py::test_an_optimizer_built_before_wrapping_is_the_models_at_once"]),
+    "full_optimizer_state_in_module_order": (
+        "full_optimizer_state_dict numbers parameters in module order, not the optimizer's",
+        [("minishard/checkpoint/full_state.py", "    if param_names is None:\n        by_user",
+          "    param_names = param_names or list(model.param_names)\n    if False:\n        by_user")],
+        ["tests/test_optimizer_before_wrap.py::test_the_full_optimizer_state_is_numbered_as_torch_numbers_it"]),
+    "stepped_optimizer_not_adopted_after_a_load": (
+        "an optimizer that already stepped is not checked again after load_state_dict: its full "
+        "state meets DTensor parameters (torch's 'mixed torch.Tensor and DTensor')",
+        [("minishard/zero/guards.py",
+          "        optimizer.register_load_state_dict_post_hook(_checked_optimizers.discard)\n", "")],
+        ["tests/test_optimizer_before_wrap.py::test_a_stepped_optimizer_is_adopted_again_after_it_loads"]),
+    "shards_load_on_any_rank": (
+        "a state dict of one rank's DTensor shards (model's or optimizer's) loads silently on "
+        "another rank: every rank trains with rank 0's rows",
+        [("minishard/zero/guards.py",
+          "    if rows is None or tuple(rows) == tuple(flat.row_ranges[j]):", "    if True:")],
+        ["tests/test_foreign_shards.py"]),
+    "overwrite_deletes_the_users_files": (
+        "save_checkpoint(overwrite=True) deletes every file in the directory it did not write",
+        [("minishard/checkpoint/state.py",
+          "    if not os.path.isdir(source) or not os.path.isdir(path):", "    if True:")],
+        ["tests/test_state.py::test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint"]),
+    "latest_checkpoint_takes_the_previous": (
+        "latest_checkpoint ranks an overwrite's ckpt.previous above ckpt (the resume goes back "
+        "one save)",
+        [("minishard/checkpoint/files.py",
+          "    names = {_without_suffix(d) for d in os.listdir(root)",
+          "    names = {d for d in os.listdir(root)")],
+        ["tests/test_state.py::test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint"]),
+    "stamps_without_the_model": (
+        "a gather's stamp names its buffers but not the model: rank 0 running model A while rank "
+        "1 runs model B (one architecture) computes with B's parameters",
+        [("minishard/zero/flat.py", '(model {flats[0].model})"', '(model 0)"')],
+        ["tests/test_stamps.py::test_two_models_of_one_architecture_are_told_apart"]),
+    "replicas_average_unchecked": (
+        "hybrid sharding: the replicas' all-reduce carries its stamp but no rank checks it (a "
+        "block frozen on one replica: gradients averaged across different blocks)",
+        [("minishard/zero/flat.py", "    _check_stamp(send[out.numel():], tag, group)\n", "")],
+        ["tests/test_stamps.py::test_the_replicas_average_is_stamped"]),
+    "discarded_no_sync_gradient_comes_back": (
+        "a gradient accumulated under no_sync and cleared by zero_grad is still reduced into "
+        "the next step (DDP drops it)",
+        [("minishard/zero/unit.py", "            if grad is not None and (p.grad is not shown or zero):",
+          "            if False:")],
+        ["tests/test_sequences.py"]),
+    "zeroed_in_place_decided_per_rank": (
+        "zero_grad(set_to_none=False) between no_sync micro-batches: each rank decides alone, "
+        "and a rank whose rows are empty keeps the discarded gradient",
+        [("minishard/zero/engine.py", "        if self.stage > 0 and len(zeroed):",
+          "        if False:")],
+        ["tests/test_sequences.py"]),
+    "no_grad_forward_leaves_views": (
+        "after a torch.no_grad() forward at stages 0-2 the module keeps plain full tensors "
+        "(the no-grad case dropped from the reshard: a later optimizer steps them)",
+        [("minishard/zero/engine.py", "            if is_root:  # the user parameters again, whatever follows",
+          "            if is_root and torch.is_grad_enabled():  # the user parameters again, whatever follows")],
+        ["tests/test_sequences.py"]),
+    "grad_forward_without_backward_leaves_views": (
+        "a grad-enabled forward never backpropagated leaves plain tensors in the module at "
+        "stages 0-2 (requires_grad_ and building an optimizer raise; a load reads stale values)",
+        [("minishard/zero/engine.py", "            if is_root:  # the user parameters again, whatever follows",
+          "            if is_root and (unit.reshard_after_forward or not torch.is_grad_enabled()):  #")],
+        ["tests/test_sequences.py"]),
+    "planner_all_reduce_at_half_price": (
+        "the planner prices a ring all-reduce at an all-gather's bytes, (N-1)/N S, not 2(N-1)/N S",
+        [("minishard/observe/predict.py", '"allreduce": (2 * (n - 1), 2 * (n - 1) * nbytes / n)',
+          '"allreduce": (2 * (n - 1), (n - 1) * nbytes / n)')],
+        ["tests/test_prices.py"]),
 }
 
 

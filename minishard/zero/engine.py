@@ -240,15 +240,17 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         # During backward (activation-checkpoint recomputation) the params are still needed.
         if self._pass is not Pass.BACKWARD:
             self._reshard(unit)  # stage 3: stand-ins, so another unit's read is named
-            if is_root and (unit.reshard_after_forward or not torch.is_grad_enabled()):
-                self._to_sharded()  # the user parameters again: stage 3, or no backward follows
+            if is_root:  # the user parameters again, whatever follows (stages 0-2: full kept
+                # for a backward; _pre_backward shows a unit's views again while it runs)
+                backward_may_follow = torch.is_grad_enabled() and not unit.reshard_after_forward
+                self._to_sharded(keep_current=backward_may_follow or self._accumulating)
+                self._forward_open = backward_may_follow
 
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
         self._start_backward()
         self._gathers.gather(unit, Pass.BACKWARD)
-        if unit.reshard_after_forward:
-            unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
+        unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
         self._emit("backward", unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
@@ -267,8 +269,24 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     def _start_backward(self) -> None:
         if self._pass is not Pass.BACKWARD:
             self._pass = Pass.BACKWARD
+            if self._accumulating:  # no_sync's local gradients: what the user cleared goes
+                self._settle_local_grads()
             self._emit("backward_pass")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _settle_local_grads(self) -> None:
+        """unit.py's [Note: local gradients], as a backward starts: the ranks agree on which
+        parameters were zeroed in place (one all-reduce of a byte each, stages 1-3), then each
+        unit drops what was cleared and takes its gradients back."""
+        zeroed = torch.tensor([z for unit in self.units for z in unit.zeroed_in_place()],
+                              dtype=torch.uint8)
+        if self.stage > 0 and len(zeroed):
+            comm.all_reduce(zeroed, "max", self.every_group, tag="no_sync: zeroed gradients")
+        at = 0
+        for unit in self.units:
+            n = len(list(unit.params()))
+            unit.settle_local_grads([bool(z) for z in zeroed[at:at + n]])
+            at += n
 
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass: the reductions not
@@ -279,6 +297,9 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             self._reshard(unit)
         self._accumulating = not self.require_backward_grad_sync  # the step goes on
         self._to_sharded()
+        if self._accumulating:  # what zero_grad clears must be gone: unit.py's [Note]
+            for unit in self.units:
+                unit.show_local_grads()
         self._pass = Pass.FORWARD
 
     def _reshard(self, unit: Unit, j: int | None = None, frozen_only: bool = False) -> None:
@@ -290,10 +311,11 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         for listen in self.listeners:
             listen(event, unit, *payload)
 
-    def _to_sharded(self) -> None:
+    def _to_sharded(self, keep_current: bool | None = None) -> None:
         """The user parameters again; inside one step (after a no_sync backward) still current."""
         for unit in self.units:
-            unit.to_sharded(keep_current=self._accumulating)
+            unit.to_sharded(keep_current=self._accumulating if keep_current is None
+                            else keep_current)
         self._forward_open = False
 
     def _sync_requires_grad(self) -> None:
@@ -327,7 +349,9 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     def no_sync(self):
         """Accumulate gradients locally, with no gradient communication: each unit keeps its
         FULL gradient until the first backward outside the block reduces the sum (stage 3
-        still all-gathers the parameters it freed, as FSDP does)."""
+        still all-gathers the parameters it freed, as FSDP does). Meanwhile ``p.grad`` shows
+        this rank's rows of the local gradient (stage 0: all of it, as DDP); ``zero_grad``
+        discards it, as under DDP (unit.py: [Note: local gradients])."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield

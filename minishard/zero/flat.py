@@ -226,6 +226,13 @@ class FlatBuffer(Layout):
             self.params.append(p)
         return self.params
 
+    def grad_rows(self, grad: torch.Tensor, j: int) -> torch.Tensor:
+        """This rank's rows of parameter j in a full-layout ``grad``, shaped like its shard: a
+        view (unit.py: [Note: local gradients])."""
+        lo, hi = self.row_ranges[j]
+        return self.region(grad, j)[self.chunk][:(hi - lo) * self.row_numels[j]].view(
+            self.shard_shape(j))
+
     def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
         """This rank's ``rows`` of parameter j (or of its gradient, or state shaped like it) as
         the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""

@@ -50,6 +50,9 @@ class Param:
     index: int
     places: list[Place]
     stand_in: torch.Tensor | None = None  # stage 3: shown once a forward is done with it
+    local_grad: torch.Tensor | None = None  # after a no_sync backward: what ``.grad`` shows
+    local_nonzero: bool = False             # ... whether it showed anything but zeros
+    local_ours: bool = False                # ... whether the engine put it there
 
     @property
     def user(self) -> torch.nn.Parameter:
@@ -154,6 +157,56 @@ class Unit:
         for param, value in zip(self._params[self.flats.index(flat)], values):
             for place in param.places:
                 place.module._parameters[place.attr] = value
+
+    # ------------------------------------------------------- no_sync's local gradients
+    # [Note: local gradients] Under no_sync each buffer's FULL gradient accumulates in
+    # ``full.grad``, this rank's alone. ``zero_grad`` clears the user parameters' ``.grad``, never
+    # ``full.grad``; so that what it clears is gone, as under DDP, each ``.grad`` shows this
+    # rank's rows of the local gradient meanwhile (stage 0: all of it, a view, exactly DDP's), and
+    # when the next backward starts a ``.grad`` set to None or replaced drops its parameter's part
+    # of ``full.grad``; one zeroed in place too (``zero_grad(set_to_none=False)``): a rank whose
+    # rows of it are empty or zero cannot see that, so the ranks agree first (engine.py).
+    def show_local_grads(self) -> None:
+        """After a no_sync backward: each trainable parameter without a ``.grad`` shows its rows
+        of ``full.grad`` (a view; a copy in the master dtype under mixed precision, whose full
+        gradient is in another), and each remembers what it shows."""
+        for flat in self.flats:
+            grad = flat.full.grad
+            for param in self.params(flat):
+                p = param.user
+                if grad is None or not p.requires_grad:
+                    continue
+                param.local_ours = p.grad is None  # else the user's, kept (as DDP adds to it)
+                if param.local_ours:
+                    rows = flat.grad_rows(grad, param.index)
+                    p.grad = flat.as_user(param.index, rows.to(flat.dtype))
+                param.local_grad = p.grad
+                param.local_nonzero = bool(local(p.grad).any())
+
+    def zeroed_in_place(self) -> list[bool]:
+        """For each parameter (``params()`` order): were its shown rows, not all zero when shown,
+        zeroed since? (What stage 0 shows without a cast IS the gradient: nothing to do.)"""
+        out = []
+        for param in self.params():
+            shown, flat = param.local_grad, param.flat
+            is_the_gradient = flat.chunks == 1 and flat.dtype == flat.param_dtype
+            out.append(shown is not None and not is_the_gradient and param.local_nonzero
+                       and param.user.grad is shown and not bool(local(shown).any()))
+        return out
+
+    def settle_local_grads(self, zeroed: list[bool]) -> None:
+        """A backward starts: drop from ``full.grad`` each part whose ``.grad`` the user cleared
+        since :meth:`show_local_grads` (set to None, replaced, or ``zeroed`` on some rank), and
+        the ``.grad`` shown go back to None (the reduction delivers the gradient)."""
+        for param, zero in zip(self.params(), zeroed):
+            shown, p, grad = param.local_grad, param.user, param.flat.full.grad
+            if shown is None:
+                continue
+            if grad is not None and (p.grad is not shown or zero):
+                param.flat.region(grad, param.index).zero_()
+            param.local_grad = None
+            if param.local_ours and p.grad is shown:
+                p.grad = None
 
     # ----------------------------------------------------------------------------- reshard
     def reshard(self, j: int | None = None, frozen_only: bool = False) -> bool:

@@ -1,0 +1,183 @@
+"""Drawn sequences of what users do, against one process on the global batch.
+
+A user's loop is more than train steps: micro-batches accumulated under ``no_sync`` (nanoGPT's
+gradient accumulation), one discarded (``no_sync`` backward, then ``zero_grad``: "skip this
+micro-batch"), evaluations with and without ``torch.no_grad()`` (the output of a grad-enabled one
+dropped), ``gathered()``, full state round trips, a block frozen and thawed between steps,
+learning-rate changes, clipping. Each is drawn into a sequence, at stages 0-3 and 1-4 ranks,
+for-loop and foreach SGD with momentum built before or after wrapping; the oracle runs the same
+sequence on the unwrapped model in one process (float64: the two agree to summation order).
+
+After every event the model must be at rest as a user sees it (:func:`at_rest`): the module
+shows the user parameters (leaves, the same objects ``model.parameters()`` gives), each unit's
+buffers hold what its stage says between steps, and an optimizer can be built over them.
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+from hypothesis import example, given, settings, strategies as st
+from torch import nn
+
+import minishard
+from minishard.zero.flat import FlatMode
+
+D, BATCH = 5, 2  # features; rows per rank per micro-batch
+
+EVENTS = ["step", "accumulate", "discard", "discard_in_place", "discard_by_module", "eval",
+          "eval_with_grad", "gathered", "round_trip", "freeze", "thaw", "lr", "clip"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block(), Block(), nn.Linear(D, 2)).double()
+
+
+def batch(i: int, world: int) -> torch.Tensor:
+    return torch.randn(BATCH * world, D, generator=torch.Generator().manual_seed(i),
+                       dtype=torch.float64)
+
+
+class Run:
+    """One side of the comparison: the wrapped model on its ranks (``stage`` set), or the plain
+    module in one process on the global batch (``stage`` None)."""
+
+    def __init__(self, stage, world, foreach, before):
+        self.stage, self.world = stage, world
+        self.rank = dist.get_rank() if stage is not None else 0
+        module = build()
+        make = lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, foreach=foreach)
+        self.opt = make(module.parameters()) if before else None
+        self.model = minishard.ZeRO(module, stage=stage, units={Block}) \
+            if stage is not None else module
+        self.opt = self.opt or make(self.model.parameters())
+        self.module = self.model.module if stage is not None else self.model
+        self.i = 0
+
+    def loss(self, eval_: bool = False):
+        self.i += 1
+        x = batch(self.i, self.world)
+        if self.stage is not None:
+            x = x[self.rank * BATCH:(self.rank + 1) * BATCH]
+        return self.model(x).square().mean()
+
+    def no_sync(self):
+        return self.model.no_sync() if self.stage is not None else _Nothing()
+
+    def do(self, event: str) -> None:
+        if event in ("step", "clip"):
+            self.loss().backward()
+            if event == "clip":
+                torch.nn.utils.clip_grad_norm_(list(self.model.parameters()), 0.05)
+            self.opt.step()
+            self.opt.zero_grad()
+        elif event == "accumulate":
+            with self.no_sync():
+                self.loss().backward()
+        elif event.startswith("discard"):
+            with self.no_sync():
+                self.loss().backward()
+            if event == "discard":
+                self.opt.zero_grad()
+            elif event == "discard_in_place":
+                self.opt.zero_grad(set_to_none=False)
+            else:
+                self.model.zero_grad()
+        elif event == "eval":
+            with torch.no_grad():
+                self.loss()
+        elif event == "eval_with_grad":
+            self.loss()  # no backward: its output is dropped
+        elif event == "gathered" and self.stage is not None:
+            with self.model.gathered():
+                sum(p.sum() for p in self.model.parameters())
+        elif event == "round_trip" and self.stage is not None:
+            self.model.load_full_state_dict(self.model.full_state_dict())
+            self.opt.load_state_dict(self.opt.state_dict())
+        elif event in ("freeze", "thaw"):
+            self.module[1].requires_grad_(event == "thaw")
+        elif event == "lr":
+            for group in self.opt.param_groups:
+                group["lr"] *= 0.5
+        elif event not in ("gathered", "round_trip"):
+            raise ValueError(event)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def at_rest(run: Run) -> list[str]:
+    """What is wrong with the model between events, as the user and the engine see it."""
+    wrong = []
+    params = list(run.model.parameters())
+    if not all(p.is_leaf for p in params):
+        wrong.append("model.parameters() holds non-leaf tensors")
+    for unit in run.model.units:
+        for flat in unit.flats:
+            for param in unit.params(flat):
+                for place in param.places:
+                    if place.module._parameters[place.attr] is not param.user:
+                        wrong.append(f"{place.fqn} is not the user parameter")
+            if (flat.mode is FlatMode.OWN and run.stage == 3 and flat.is_gathered
+                    and not run.model._accumulating):
+                wrong.append(f"{flat.name}: full gathered between steps at stage 3")
+    try:
+        torch.optim.SGD(params, lr=0.1)
+    except ValueError as exc:
+        wrong.append(f"an optimizer cannot be built: {exc}")
+    return wrong
+
+
+def play(stage, world, events, foreach, before):
+    """The sequence on the wrapped model; returns (what was wrong at rest after each event, the
+    final full state dict)."""
+    run = Run(stage, world, foreach, before)
+    wrong = []
+    for event in events:
+        run.do(event)
+        wrong += [f"after {event}: {w}" for w in at_rest(run)]
+    run.do("step")  # the last micro-batches land in a step
+    return wrong, run.model.full_state_dict()
+
+
+def oracle(world, events, foreach, before):
+    run = Run(None, world, foreach, before)
+    for event in events + ["step"]:
+        run.do(event)
+    return run.model.state_dict()
+
+
+@settings(max_examples=25)
+@given(world=st.integers(1, 4), stage=st.integers(0, 3),
+       events=st.lists(st.sampled_from(EVENTS), min_size=1, max_size=8),
+       foreach=st.booleans(), before=st.booleans())
+@example(world=2, stage=1, events=["eval_with_grad", "freeze", "step"], foreach=False,
+         before=True)
+@example(world=2, stage=0, events=["discard", "step"], foreach=False, before=False)
+@example(world=3, stage=3, events=["discard_in_place", "accumulate", "step"], foreach=True,
+         before=False)
+@example(world=4, stage=2, events=["eval", "discard_by_module", "eval_with_grad", "round_trip"],
+         foreach=False, before=True)
+@example(world=4, stage=1, events=["accumulate", "discard_in_place"], foreach=False, before=False)
+@example(world=2, stage=1, events=["eval", "freeze", "step"], foreach=True, before=False)
+def test_drawn_sequences_equal_one_process(pools, world, stage, events, foreach, before):
+    want = oracle(world, events, foreach, before)
+    for rank, (wrong, got) in enumerate(pools(world).run(play, stage, world, events, foreach,
+                                                         before)):
+        assert not wrong, (rank, wrong)
+        for k, v in want.items():
+            torch.testing.assert_close(got[k], v, rtol=1e-9, atol=1e-11, msg=lambda m: f"{k}: {m}")
