@@ -309,13 +309,50 @@ MUTANTS = {
         ["tests/test_zero.py::test_optimizer_built_before_wrapping_trains"]),
     "flight_not_dumped_on_failure": (
         "a failed collective raises without writing the flight record: the doctor has nothing",
-        [("minishard/comm.py", "        FLIGHT.on_failure(str(error))", "        pass")],
-        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-1]"]),
+        [("minishard/comm.py", "        written = FLIGHT.on_failure(str(error))",
+          "        written = None")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
     "doctor_blind_to_the_backward_pass": (
-        "the doctor lines ranks up without the backward pass: no_sync on one rank looks healthy",
-        [("minishard/observe/doctor.py", """                                            e["backwards"], e["file"], e["line"])""",
-          """                                            e["file"], e["line"])""")],
-        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-1]"]),
+        "the doctor never sees ranks a backward pass apart: no_sync on a rank that then left "
+        "the loop reads as uneven inputs",
+        [("minishard/observe/records.py", "        if len(set(at.values())) > 1:",
+          "        if False:")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
+    "dtensor_collectives_counted_apart": (
+        "the flight record counts the collectives DTensor runs apart from comm's on the same "
+        "group (comm passes None, DTensor the group): the doctor lines up a norm on rank 0 "
+        "against the other rank's first collective",
+        [("minishard/costs.py", "        stream = self.streams.setdefault(identity, [0, identity])",
+          "        stream = [0, identity]")],
+        ["tests/test_hangs.py::test_dtensor_collectives_for_torch_tools_are_recorded",
+         "tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
+    "doctor_reads_the_oldest_job": (
+        "of the jobs a directory holds the doctor reads the one written first",
+        [("minishard/observe/records.py", 'newest = max(everyone, key=lambda r: r["written"])',
+          'newest = min(everyone, key=lambda r: r["written"])')],
+        ["tests/test_hangs.py::test_two_launches_into_one_directory"]),
+    "dry_run_in_the_flight_record": (
+        "a dry run's collectives and world join the process's flight record, and arm it",
+        [("minishard/observe/dry_run.py", "    with comm.FLIGHT.kept_apart():",
+          "    with contextlib.nullcontext():")],
+        ["tests/test_hangs.py::test_two_launches_into_one_directory"]),
+    "ring_anchored_at_the_oldest_entry": (
+        "the doctor lines rings up from the oldest entry any rank holds: a rank whose ring "
+        "dropped it looks like one whose stream ended",
+        [("minishard/observe/records.py", "    begin = max(min(rows) if rows else issued + 1",
+          "    begin = min(min(rows) if rows else issued + 1")],
+        ["tests/test_hangs.py::test_a_ring_that_dropped_its_oldest_entries"]),
+    "failure_record_overwritten_at_exit": (
+        "a rank that a failed collective ended writes its record again at exit, over the one "
+        "its failure wrote",
+        [("minishard/observe/flight.py", '    if "failed" in _armed:  # the failure',
+          "    if False:  # the failure")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
+    "signals_wait_for_the_main_thread": (
+        "a signal's record is written by the main thread's handler: a rank waiting inside a "
+        "collective writes nothing until the timeout",
+        [("minishard/observe/flight.py", "    if before == -1 and ours:", "    if False:")],
+        ["tests/test_hangs.py::test_a_job_stopped_while_its_ranks_wait"]),
     "stamps_not_checked": (
         "the ranks' stamps are not compared: rank 0's evaluation at stage 3 computes with the "
         "parameters of the unit the other ranks gather in backward, then hangs",
@@ -460,6 +497,12 @@ MUTANTS = {
         [("minishard/observe/predict.py", '"allreduce": (2 * (n - 1), 2 * (n - 1) * nbytes / n)',
           '"allreduce": (2 * (n - 1), (n - 1) * nbytes / n)')],
         ["tests/test_prices.py"]),
+    "full_state_loads_any_shape_of_its_size": (
+        "load_full_state_dict loads a tensor of another shape with the parameter's element "
+        "count (a (4, 6) weight into Linear(4, 6)); plain torch refuses it",
+        [("minishard/checkpoint/full_state.py", "            if t.shape != param.shape:",
+          "            if t.numel() != param.shape.numel():")],
+        ["tests/test_errors.py::test_a_full_tensor_of_another_shape_is_refused_like_torch_refuses_it"]),
 }
 
 

@@ -143,6 +143,19 @@ def load_shards(path, stage):
     return max((got[k] - v).abs().max().item() for k, v in two_linears(0, None).state_dict().items())
 
 
+def load_transposed(stage, from_rank0):
+    """A full state dict whose first weight is (4, 6) for Linear(4, 6)'s (6, 4): the same
+    element count, so only the shape can tell. Plain torch refuses it; so must every load."""
+    model = two_linears(0, stage)
+    plain = two_linears(0, None).state_dict()
+    plain["0.weight"] = plain["0.weight"].reshape(4, 6).clone()
+    try:
+        model.load_full_state_dict(plain, from_rank0=from_rank0)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def debug_mismatched_shapes():
     comm.set_debug(True, timeout=5)
     try:
@@ -301,6 +314,17 @@ def test_dtensor_shards_load_only_as_they_were_cut(pools, tmp_path):
                              r"ranks \[0, 1\] \(S\(0\)\), but this model holds it as " + held,
                              message), message
             assert "minishard.save_checkpoint" in message and "full_state_dict()" in message
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_full_tensor_of_another_shape_is_refused_like_torch_refuses_it(pools, stage):
+    with pytest.raises(RuntimeError, match="size mismatch"):  # the oracle: plain torch
+        plain = two_linears(0, None)
+        plain.load_state_dict({**plain.state_dict(),
+                               "0.weight": plain.state_dict()["0.weight"].reshape(4, 6)})
+    for from_rank0 in (False, True):
+        for message in pools(2).run(load_transposed, stage, from_rank0):
+            assert message and "0.weight has shape (4, 6), the model expects (6, 4)" in message
 
 
 # ---------------------------------------------------------------------- harness and debug
