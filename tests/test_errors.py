@@ -327,6 +327,26 @@ def test_a_full_tensor_of_another_shape_is_refused_like_torch_refuses_it(pools, 
             assert message and "0.weight has shape (4, 6), the model expects (6, 4)" in message
 
 
+def save_in_torch_order(tmp):
+    model = minishard.ZeRO(nn.Linear(3, 3), stage=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for call in (lambda: minishard.save_checkpoint(model, tmp, opt),
+                 lambda: minishard.load_checkpoint(model, tmp, opt)):
+        try:
+            call()
+        except TypeError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_the_path_comes_first_and_the_error_says_so(pools, tmp_path):
+    for said in pools(2).run(save_in_torch_order, str(tmp_path)):
+        assert len(said) == 2 and "save_checkpoint(path, model, optimizer)" in said[0] \
+            and "load_checkpoint(path, model, optimizer)" in said[1], said
+    assert not os.listdir(tmp_path)  # nothing written
+
+
 # ---------------------------------------------------------------------- harness and debug
 def test_rankpool_refuses_unpicklable_function(pools):
     with pytest.raises(TypeError, match="pass a module-level function"):

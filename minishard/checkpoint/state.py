@@ -102,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     """
     if format not in ("minishard", "dcp"):
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
-    path = os.path.normpath(os.fspath(path))
+    path = _path_first("save_checkpoint", path, model)
     if format == "dcp":
         init_optimizer_state(optimizer)
     extras = _gather_extras(extra, model.every_group)
@@ -181,6 +181,16 @@ def _move_users_files(source: str, path: str) -> None:
     for name in os.listdir(source):
         if not checkpoint_files.own_file(name) and not os.path.exists(os.path.join(path, name)):
             os.rename(os.path.join(source, name), os.path.join(path, name))
+
+
+def _path_first(verb: str, path, model) -> str:
+    """``path`` normalised; the arguments in torch.save's order (the model first) refused with
+    the order this function takes, before anything collective."""
+    if isinstance(path, torch.nn.Module) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{verb}(path, model, optimizer): the directory comes first, then the "
+                        f"model; got {type(path).__name__} and {type(model).__name__} (torch.save "
+                        f"takes the object first; {verb} takes the path first)")
+    return os.path.normpath(os.fspath(path))
 
 
 def _gather_extras(extra, every) -> list:
@@ -385,7 +395,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     ``format="dcp"``) is read the same way, by DCP (dcp.py); the metadata returned is
     then ``{"format": "dcp", "param_groups": [the saved groups]}``.
     """
-    path, group = checkpoint_files.committed(os.path.normpath(os.fspath(path))), model.group
+    path = checkpoint_files.committed(_path_first("load_checkpoint", path, model))
+    group = model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
         extras = _read_extras(path, checkpoint_files.dcp_extra_record(path), model.every_group,
