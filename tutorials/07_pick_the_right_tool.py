@@ -22,15 +22,29 @@ this small the collectives' fixed costs, not their bytes, dominate.
 
 Part 2 trusts the estimator (``python -m minishard.plan``, checked against the measurement in
 part 1 and by tests/test_plan.py) for sizes we cannot run here: 1B, 7B and 70B parameters on
-8 GPUs of 80 GB, mixed-precision Adam.
+8 GPUs of 80 GB, mixed-precision Adam, with the estimator's default 10% headroom.
 
-Part 3 predicts a whole step, DDP and every stage, before the ranks exist (``python -m
-minishard.plan --check`` does the same for bench/'s models): a dry run of the engine in this one
-process (observe/dry_run.py) gives each rank's peak allocated bytes, within 5% of what the ranks
-then measure, and a step time; and it tells the story of the predictions that were wrong.
+Part 3 predicts a whole step, DDP and every stage, before the ranks exist (``torchrun ... -m
+minishard.plan --check --model FILE.py:FUNCTION`` does the same for any model): a dry run of the
+engine in this one process (observe/dry_run.py) gives each rank's peak allocated bytes, within
+5% of what the ranks then measure, and a step time; and it tells the story of the predictions
+that were wrong.
+
+Part 4 plans YOUR model. ``your_model()`` below is what the planner takes: a function returning
+``{"model": ..., "batch": ..., "units": ...}`` (and ``"loss"`` when the output is not a tensor).
+From the command line, on this file or yours::
+
+    python -m minishard.plan --model tutorials/07_pick_the_right_tool.py:your_model --ranks 4
+    torchrun --standalone --nproc_per_node=2 -m minishard.plan --check \
+        --model tutorials/07_pick_the_right_tool.py:your_model
+
+and from Python, the function the first one uses on a model built on the meta device
+(``predict_memory``: no memory, no process group), asserted equal to what part 1 measured.
 """
 import argparse
+import copy
 import math
+import os
 import re
 import statistics
 import textwrap
@@ -43,8 +57,9 @@ from torch import nn
 import minishard
 from minishard import comm
 from minishard.observe.memory import bar_chart, fmt_bytes, pyplot
-from minishard.observe.plan import estimate, fmt_decimal, min_ranks
-from minishard.observe.predict import check, predictions
+from minishard.observe.models import Model
+from minishard.observe.plan import DEFAULT_HEADROOM, estimate, fmt_decimal, min_ranks
+from minishard.observe.predict import check, predict_memory, predictions
 
 WIDTH, BLOCKS, BATCH, ROUNDS = 128, 4, 16, 6  # 128 rows a parameter: padded when 3 ranks
 
@@ -56,6 +71,12 @@ class Block(nn.Module):
 
     def forward(self, x):
         return torch.nn.functional.gelu(self.linear(x))
+
+
+def your_model():
+    """Part 4: this lesson's model as the planner takes it (python -m minishard.plan --model)."""
+    return {"model": nn.Sequential(*[Block() for _ in range(BLOCKS)]),
+            "batch": torch.randn(BATCH, WIDTH), "units": {Block}}
 
 
 def activation_heavy():
@@ -92,6 +113,29 @@ def step(model, opt, x) -> None:
     opt.zero_grad()
 
 
+def your_model_planned(say, rank: int, world: int, at_rest: dict) -> None:
+    """Part 4: your_model() planned as ``python -m minishard.plan --model`` loads it, from
+    Python, on the meta device; asserted equal to part 1's measurement of the same model."""
+    where = f"{os.path.relpath(__file__)}:your_model"
+    yours = Model(where).check(runs=False)        # what --model loads: {model, batch, units, loss}
+    meta = copy.deepcopy(yours["model"]).to("meta")   # no memory: the plan reads shapes only
+    say(f"\nPart 4: your model, planned before anything is built (predict_memory on the meta "
+        f"device),\nbeside what part 1 measured on rank {rank} between steps (memory_report: "
+        "parameters, their stamps'\nroom, optimizer state), bytes:\n")
+    say(f"{'stage':<6}{'planned':>12}{'measured':>12}")
+    for stage in range(4):
+        plan = predict_memory(meta, stage, world, rank, units=yours["units"])
+        planned = plan["parameters"] + plan["optimizer state"]
+        assert planned == at_rest[stage], (stage, plan, at_rest[stage])
+        say(f"{stage:<6}{planned:>12,}{at_rest[stage]:>12,}")
+    say(textwrap.fill(
+        "Asserted: planned = measured, to the byte, at every stage. The whole table (DDP too, "
+        "each rank's step peak and step time, from dry runs) for this model or yours: "
+        f"python -m minishard.plan --model {where} --ranks {world} --memory 1GB; and beside a "
+        "real run: torchrun --standalone --nproc_per_node=2 -m minishard.plan --check --model "
+        f"{where}.", 100))
+
+
 def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     psi = BLOCKS * (WIDTH * WIDTH + WIDTH)
@@ -99,7 +143,7 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
 
     # ------------------------------------------------------------- part 1: measure every stage
     models = {stage: build(stage) for stage in range(4)}
-    held, sent, calls = {}, {}, {}
+    held, sent, calls, at_rest = {}, {}, {}, {}
     for stage, (model, opt) in models.items():
         step(model, opt, x)                   # the first step creates Adam's state
         with minishard.ledger() as led:       # a steady-state forward + backward
@@ -107,6 +151,8 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
         rep = model.memory_report(opt)        # params, grads and optimizer state all alive now
         opt.step()
         opt.zero_grad()
+        rest = model.memory_report(opt)  # between steps: no gradient (part 4 plans this)
+        at_rest[stage] = rest["params"] + rest["stamps"] + rest["optimizer"]
         # Stage 1 frees its full gradients at the end of backward: count their peak, as the
         # estimator (and the ZeRO paper) does, since that is what must fit.
         grads = rep["peak_full_grads"] if stage == 1 else rep["grads"]
@@ -172,26 +218,31 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
 
     # -------------------------------------------------- part 2: the estimator, for real sizes
     ranks, memory = 8, 80e9
-    say(f"Part 2: model states per GPU on {ranks} GPUs of {fmt_decimal(memory)}, mixed-precision "
-        "Adam (2 + 2 + 12 bytes per parameter;\nactivations not counted: see python -m "
-        "minishard.observe.plan --help):\n")
+    headroom = memory * float(DEFAULT_HEADROOM.rstrip("%")) / 100  # the estimator's default
+    say(f"Part 2: model states per GPU on {ranks} GPUs of {fmt_decimal(memory)}, "
+        f"{fmt_decimal(headroom)} of each kept free (the estimator's default {DEFAULT_HEADROOM} "
+        "headroom), mixed-precision\nAdam (2 + 2 + 12 bytes per parameter; activations not "
+        "counted: see python -m minishard.plan --help):\n")
     say(f"{'model':<7}" + "".join(f"{f'stage {s}':>11}" for s in range(4))
         + "   lowest stage that fits")
     lowest = {}
     for params in (1e9, 7e9, 70e9):
-        rows = estimate(params, ranks, memory, "adam", mixed_precision=True)
+        rows = estimate(params, ranks, memory, "adam", mixed_precision=True, headroom=headroom)
         fits = [r["stage"] for r in rows if r["fits"]]
         lowest[params] = fits[0] if fits else None
-        verdict = (f"stage {fits[0]}" if fits else
-                   f"none: stage 3 needs >= {min_ranks(params, memory, 3, 'adam', True)} GPUs")
+        need = min_ranks(params, memory - headroom, 3, "adam", True)
+        verdict = f"stage {fits[0]}" if fits else f"none: stage 3 needs >= {need} GPUs"
         say(f"{params / 1e9:>4.0f}B  " + "".join(f"{fmt_decimal(r['total']):>11}" for r in rows)
             + f"   {verdict}")
     # 1B: 16 GB with DDP -> stage 0. 7B: DDP needs 112 GB, stage 1 (4 psi + 12 psi/8) 38.5 GB.
-    # 70B: even stage 3 (16 psi / 8 = 140 GB) is too big; 16 x 70e9 / 80e9 = 14 GPUs would do.
+    # 70B: even stage 3 (16 psi / 8 = 140 GB) is too big; 16 x 70e9 / 72e9 = 15.6: 16 GPUs
+    # would do (14 with no headroom at all: 16 x 70e9 / 80e9).
     assert lowest == {1e9: 0, 7e9: 1, 70e9: None}, lowest
+    assert min_ranks(70e9, memory - headroom, 3, "adam", True) == 16
     assert min_ranks(70e9, memory, 3, "adam", True) == 14
     say("\nAsserted: 1B trains with plain DDP; 7B needs stage 1; 70B does not fit on 8 GPUs at any "
-        "stage\n(14 GPUs at stage 3, before activations). Rule: the lowest stage that fits.\n")
+        "stage\n(16 GPUs at stage 3 with the headroom, 14 with none, before activations). Rule: "
+        "the lowest stage that fits.\n")
 
     # ---------------------------------------- part 3: a whole step, predicted and measured
     say("Part 3: this model's step (batch 1024), predicted before the ranks existed (a dry run "
@@ -221,6 +272,7 @@ def main(rank: int, world: int, plot: str | None, dry_runs: list) -> None:
         "stepping together, as they will run. A prediction that fails is a question for "
         "both sides. To see where a step's time goes, rank by rank: python -m minishard.plan "
         "--timeline 3 --ranks 2.", 100))
+    your_model_planned(say, rank, world, at_rest)
     say("All assertions held.")
 
     plt = pyplot() if plot and rank == 0 else None

@@ -4,8 +4,13 @@
 
 nanoGPT (github.com/karpathy/nanoGPT, MIT licence) trains with DDP. Its model.py is written out
 below in its own shape (smaller, the same modules, the same initialisation, the same
-``configure_optimizers``), and its train.py's loop as ``train()``. Every line that differs from
-train.py under DDP is marked ``# PORT:`` in the code; here is each one, and why:
+``configure_optimizers``), and its train.py's loop as ``train()``, shortened: left out are the
+GradScaler and autocast (a float64 run on the CPU has neither: ``scaler.scale(loss)`` is
+``loss``), timing and MFU, wandb, ``torch.compile``, the config system and the checkpoint's
+``model_args`` and ``config``; names are shortened (``GRAD_ACCUM`` for
+``gradient_accumulation_steps``, ``say`` for rank 0's ``print``). Every line that is kept but
+differs from train.py is marked: ``# PORT:`` where DDP becomes minishard (the port), ``# LESSON:``
+where this lesson checks itself (each says why). The port, and why:
 
     nanoGPT (DDP)                                       minishard stage 3
     model = DDP(model, device_ids=[ddp_local_rank])     model = minishard.ZeRO(model, stage=3,
@@ -24,62 +29,67 @@ train.py under DDP is marked ``# PORT:`` in the code; here is each one, and why:
                                                         plain optimizer's numbering
     torch.save(checkpoint, path)                        if master_process: torch.save(...), the
                                                         gathers above having run on every rank
-    lossf = loss.item() * gradient_accumulation_steps   the same, then all-reduced: rank 0 alone
-      (rank 0's own loss)                               logs the mean over EVERY rank's batches
 
 Two habits of a DDP script that break at stage 3, and what you will see. Keep ``and
 master_process`` on the evaluation, and rank 0's gathers are answered by the others' training
 gathers: the stamps raise ``CollectiveMismatch`` on every rank before rank 0 prints a loss. Decide
 to save from each rank's OWN validation loss (``estimate_loss`` averages this rank's batches
-only), and the ranks may disagree: ``full_state_dict`` and ``save_checkpoint`` are collective, so
-the ranks that skip them time out (``MINISHARD_TIMEOUT``), or gloo aborts the one that saves.
-Decide from something every rank shares (here ``iter_num``; or the all-reduced loss). Either
-way, ``python -m minishard.doctor $MINISHARD_FLIGHT_DIR`` reads the ranks' flight records and
-names the cause ("a forward on some ranks only", "a save or full_state_dict on some ranks only")
-and the line of your script (README, "When things go wrong").
+only) with ``always_save_checkpoint = False``, and the ranks may disagree: ``full_state_dict`` is
+collective, so the ranks that skip it time out (``MINISHARD_TIMEOUT``). Decide from something
+every rank shares (here ``ALWAYS_SAVE_CHECKPOINT``; or rank 0's loss, broadcast). Either way,
+``python -m minishard.doctor $MINISHARD_FLIGHT_DIR`` reads the ranks' flight records (lesson 15).
 
 The checkpoint is nanoGPT's own file, full tensors under nanoGPT's names, so the resume is
 nanoGPT's, unchanged: ``model.load_state_dict(checkpoint['model'])`` into the plain model and
 ``optimizer.load_state_dict(checkpoint['optimizer'])`` BEFORE wrapping. The optimizer too is
 built before wrapping, as nanoGPT does: at its first step minishard points it at the DTensors
 that replaced the parameters, each state tensor keeping this rank's rows (under FSDP2 such an
-optimizer would silently train nothing: there it must move after ``fully_shard``).
+optimizer would silently train nothing: there it must move after ``fully_shard``). Each rank
+seeds itself (``1337 + rank``, as train.py): ZeRO starts every rank from rank 0's weights, as
+DDP does.
 
 Unchanged, and why that is right: ``model.require_backward_grad_sync = (micro_step ==
 gradient_accumulation_steps - 1)`` (ZeRO honours DDP's flag: False accumulates as ``no_sync()``);
 ``torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)`` (DTensor gradients: the global
 norm, one factor on every rank); ``configure_optimizers``'s ``p.dim() >= 2`` (a DTensor's dim is
-the parameter's); ``estimate_loss()`` under ``torch.no_grad()`` at stage 3 (forward-only gathers).
-On CPU, where nanoGPT does not pass ``fused=True`` (it does on CUDA), give AdamW
-``foreach=True``: each op on a DTensor pays a Python dispatch (README, "torch's tools see the
-shards").
+the parameter's); ``estimate_loss()`` under ``torch.no_grad()`` at stage 3 (forward-only gathers);
+the logged loss, rank 0's last micro-batch's, as nanoGPT logs it. On CPU, where nanoGPT does not
+pass ``fused=True`` (it does on CUDA), give AdamW ``foreach=True``: each op on a DTensor pays a
+Python dispatch (tutorials/zero_reference.md, "torch's tools see the shards").
 
-The same port to FSDP2, both made on nanoGPT's own train.py by the fewest edits that train
-right and run beside DDP at 1-4 ranks (``bench/nanogpt_port.py``; losses equal to DDP's at every
-iteration with the clip active, and after a resume):
+This lesson's loop is not train.py itself: ``bench/nanogpt_port.py`` ports nanoGPT's own train.py
+to minishard and to FSDP2, each as tightly as it allows, right in one process as under torchrun
+and with every config nanoGPT ships, and runs both beside DDP at 1-4 ranks (losses equal to
+DDP's at every iteration, the clip active, and after a resume). Counted as a unified diff counts
+(every + and every - line; PEP 8's layout):
 
-    lines changed from train.py under DDP         minishard (stage 1, 2 or 3)   FSDP2
-    imports                                       2 (minishard; Block)          2
-    the wrap                                      1                             3 (each Block, root)
+    lines of the diff from train.py under DDP     minishard (stage 1, 2 or 3)   FSDP2
+    imports                                       1 (minishard)                 2
+    the wrap                                      2 (DDP's line, ZeRO's)        6 (moved before the
+                                                                                optimizer: each
+                                                                                Block, the root)
     every rank starts from rank 0's weights       0 (ZeRO broadcasts, as DDP)   2
-    optimizer built, its state loaded, after it   0 (nanoGPT's order works)     4 (moved; set_
-                                                                                optimizer_state_dict)
-    raw_model = model.module                      0                             1
-    require_backward_grad_sync                    0 (honoured)                  1
-    evaluate on every rank, one save decision     5                             5
-    the checkpoint's model and optimizer, save    3                             3
-    total                                         11                            21
+    the optimizer's state loaded                  0 (nanoGPT's order works)     2 (set_optimizer_
+                                                                                state_dict)
+    raw_model = model.module                      0                             2
+    every rank evaluates, rank 0's loss decides   7                             7
+    wandb on rank 0                               2                             2
+    the checkpoint's model and optimizer          4                             4
+    torch.save on rank 0                          3                             3
+    total                                         19                            30
 
-The evaluation's five: no ``and master_process``; ``with torch.random.fork_rng(enabled=not
-master_process):`` around ``estimate_loss()`` (the other ranks keep their training batches);
-``torch.distributed.broadcast(losses['val'], 0)`` (the save is decided from rank 0's loss, as
-DDP decides it); ``wandb.log`` on rank 0 only.
+The evaluation's seven: two lines replaced by ``if iter_num % eval_interval == 0:``, ``with
+torch.random.fork_rng(enabled=not master_process):`` around ``estimate_loss()`` (the other
+ranks keep their RNG for their training batches, as under DDP), and ``if ddp:
+torch.distributed.broadcast(losses['val'], 0)`` (the save decided from rank 0's loss, as DDP
+decides it). This lesson needs neither: its batches are not drawn from the RNG, and it always
+saves.
 
-One change is for this lesson only: nanoGPT samples each rank's batches with its own seed. Here
-a batch is a function of (iteration, micro-batch number over ALL ranks), so that the run can
-be compared with ONE process doing every micro-batch of an iteration: the port must give the
-same weights (float64, so only the order of sums differs: about 1e-13). Then a resume: save at
-iteration 3, load into a fresh model, finish: bit for bit the uninterrupted run.
+This lesson's own changes (``# LESSON:``) serve one check: a batch is a function of (iteration,
+micro-batch number over ALL ranks), not of a per-rank seed, so that the run can be compared with
+ONE process doing every micro-batch of an iteration: the port must give the same weights
+(float64, so only the order of sums differs: about 1e-13). Then a resume: save at iteration 3,
+load into a fresh model, finish: bit for bit the uninterrupted run.
 """
 import math
 import os
@@ -184,14 +194,14 @@ class GPT(nn.Module):
 
 
 # ------------------------------------------------------------------- nanoGPT's train.py, short
-BATCH_SIZE, GRAD_ACCUM, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS, GRAD_CLIP = 2, 12, 6, 3, 2, 0.25
-LEARNING_RATE, WEIGHT_DECAY, BETAS = 1e-2, 0.1, (0.9, 0.95)
+BATCH_SIZE, GRAD_ACCUM, MAX_ITERS, EVAL_INTERVAL, EVAL_ITERS, GRAD_CLIP = 2, 12, 5, 3, 2, 0.25
+LEARNING_RATE, WEIGHT_DECAY, BETAS, ALWAYS_SAVE_CHECKPOINT = 1e-2, 0.1, (0.9, 0.95), True
+WARMUP_ITERS, LR_DECAY_ITERS, MIN_LR = 2, 5, 1e-3
 DATA = torch.Generator().manual_seed(7)
 TOKENS = {split: torch.randint(VOCAB, (4000,), generator=DATA) for split in ("train", "val")}
 
 
-def get_batch(split, it, sample):
-    """Lesson-only change: batch number ``sample`` of iteration ``it`` (not a per-rank seed)."""
+def get_batch(split, it, sample):  # LESSON: batch number ``sample`` of iteration ``it``
     g = torch.Generator().manual_seed(1000 * it + sample + (500_000 if split == "val" else 0))
     ix = torch.randint(len(TOKENS[split]) - BLOCK_SIZE, (BATCH_SIZE,), generator=g)
     x = torch.stack([TOKENS[split][i:i + BLOCK_SIZE] for i in ix])
@@ -200,35 +210,39 @@ def get_batch(split, it, sample):
 
 
 @torch.no_grad()
-def estimate_loss(model, it, rank, world):
+def estimate_loss(model, it, rank, world):  # LESSON: which batches (this rank's share)
     out = {}
     model.eval()
     for split in ("train", "val"):
         losses = torch.zeros(EVAL_ITERS)
         for k in range(EVAL_ITERS):
-            _, loss = model(*get_batch(split, it, k * world + rank))
+            X, Y = get_batch(split, it, k * world + rank)  # LESSON: (get_batch(split))
+            logits, loss = model(X, Y)
             losses[k] = loss.item()
         out[split] = losses.mean()
     model.train()
     return out
 
 
-def lr_at(it):  # nanoGPT's warmup + cosine decay, shortened
-    warmup, min_lr = 2, LEARNING_RATE / 10
-    if it < warmup:
-        return LEARNING_RATE * (it + 1) / (warmup + 1)
-    return min_lr + 0.5 * (1 + math.cos(math.pi * (it - warmup) / MAX_ITERS)) * (LEARNING_RATE - min_lr)
+def get_lr(it):  # nanoGPT's warmup and cosine decay
+    if it < WARMUP_ITERS:
+        return LEARNING_RATE * (it + 1) / (WARMUP_ITERS + 1)
+    if it > LR_DECAY_ITERS:
+        return MIN_LR
+    decay_ratio = (it - WARMUP_ITERS) / (LR_DECAY_ITERS - WARMUP_ITERS)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return MIN_LR + coeff * (LEARNING_RATE - MIN_LR)
 
 
-def train(rank, world, ddp, out_dir, stop_at=MAX_ITERS, resume=False, say=print):
+def train(rank, world, ddp, out_dir, resume=False, say=print):
     """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch)."""
-    torch.manual_seed(1337)
+    torch.manual_seed(1337 + rank)  # each rank its own seed, as train.py
     master_process = rank == 0
     ckpt_path = os.path.join(out_dir, "ckpt.pt") if out_dir else None
     model = GPT()
     iter_num, best_val_loss = 0, 1e9
     if resume:  # nanoGPT's resume, unchanged: every rank reads the full checkpoint
-        checkpoint = torch.load(ckpt_path, weights_only=True)
+        checkpoint = torch.load(ckpt_path)
         model.load_state_dict(checkpoint["model"])
         iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
     grad_accum = GRAD_ACCUM // world if ddp else GRAD_ACCUM  # as nanoGPT: tokens/iter fixed
@@ -238,38 +252,39 @@ def train(rank, world, ddp, out_dir, stop_at=MAX_ITERS, resume=False, say=print)
     checkpoint = None
     if ddp:
         model = minishard.ZeRO(model, stage=3, units={Block})  # PORT: was DDP(model, ...)
-    while iter_num < stop_at:
+    while True:
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(iter_num)
-        if iter_num % EVAL_INTERVAL == 0 and iter_num > 0:  # PORT: nanoGPT adds "and
-            # master_process": at stage 3 every rank must run the forwards (their gathers)
-            losses = estimate_loss(model, iter_num, rank if ddp else 0, world if ddp else 1)
+            group["lr"] = get_lr(iter_num)
+        if iter_num % EVAL_INTERVAL == 0:  # PORT: nanoGPT adds "and master_process": at
+            # stage 3 every rank must run the forwards (their gathers)
+            losses = estimate_loss(model, iter_num, rank, world)  # LESSON: (estimate_loss())
             say(f"  step {iter_num}: train loss {losses['train']:.4f}, val {losses['val']:.4f}")
-            best_val_loss = min(best_val_loss, losses["val"].item())
-            if ddp and iter_num == 3 and not resume:
-                checkpoint = {
-                    "model": model.full_state_dict(rank0_only=True),  # PORT: raw_model.state_dict()
-                    "optimizer": minishard.full_optimizer_state_dict(model, optimizer),  # PORT
-                    "iter_num": iter_num, "best_val_loss": best_val_loss}
-                if master_process:  # PORT: the gathers above ran on every rank
-                    torch.save(checkpoint, ckpt_path)
+            if losses["val"] < best_val_loss or ALWAYS_SAVE_CHECKPOINT:
+                best_val_loss = losses["val"]
+                if iter_num > 0 and ddp:  # LESSON: "and ddp": the one-process oracle saves not
+                    checkpoint = {
+                        "model": model.full_state_dict(rank0_only=True),  # PORT: raw_model's
+                        "optimizer": minishard.full_optimizer_state_dict(model, optimizer),  # PORT
+                        "iter_num": iter_num, "best_val_loss": best_val_loss}
+                    if master_process:  # PORT: the gathers above ran on every rank
+                        torch.save(checkpoint, ckpt_path)
         for micro_step in range(grad_accum):
             if ddp:
                 model.require_backward_grad_sync = (micro_step == grad_accum - 1)
-            sample = (rank * grad_accum if ddp else 0) + micro_step
-            _, loss = model(*get_batch("train", iter_num, sample))
+            X, Y = get_batch("train", iter_num, rank * grad_accum + micro_step)  # LESSON: the
+            # batch for this micro-step, drawn here (nanoGPT prefetches the next after forward)
+            logits, loss = model(X, Y)
             loss = loss / grad_accum
             loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)
-        assert norm > GRAD_CLIP, norm  # lesson only: the clip is active on every step
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)  # LESSON: "norm ="
+        assert norm > GRAD_CLIP, norm  # LESSON: the clip is active on every step
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        lossf = loss.detach() * grad_accum
-        if ddp:  # PORT: the mean over every rank's last micro-batch, not rank 0's alone
-            dist.all_reduce(lossf)
-            lossf /= world
-        say(f"  iter {iter_num}: loss {lossf.item():.4f}")
+        lossf = loss.item() * grad_accum
+        say(f"  iter {iter_num}: loss {lossf:.4f}")
         iter_num += 1
+        if iter_num > MAX_ITERS:
+            break
     return model
 
 
@@ -292,7 +307,7 @@ def main(rank: int, world: int) -> None:
             "each per iteration:")
         ported = weights(train(rank, world, ddp=True, out_dir=out_dir, say=say))
         say("2. one process, all 12 micro-batches of each iteration (the oracle; as nanoGPT, "
-            "each log line is the last micro-batch's loss, here another sample than the port's):")
+            "each log line is its last micro-batch's loss, another sample than rank 0's):")
         single = weights(train(0, 1, ddp=False, out_dir=None, say=say))
         gap = max((ported[k] - single[k]).abs().max().item() for k in single)
         say(f"   largest weight difference, port vs one process: {gap:.1e}")
