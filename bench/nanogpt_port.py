@@ -3,22 +3,26 @@
     python bench/nanogpt_port.py PATH/TO/nanoGPT [--world 2] [--fused]
 
 Needs a checkout of github.com/karpathy/nanoGPT (its train.py, model.py and configurator.py;
-not copied into this repository). Writes each port into a temporary directory and prints the
-lines it changes from train.py under DDP on CPU (the baseline: train.py with the two lines of
-its ``ddp`` branch that name a CUDA device made CPU, which every CPU run needs; DDP's own run
-also drops ``device_ids``). Then runs each at a tiny config (a synthetic 64-symbol dataset, 2
-blocks, 2 micro-batches a rank an iteration, a clip of 0.05 that every iteration's norm exceeds):
-9 iterations from scratch, and a run stopped after the save at iteration 4 then resumed to
-8. Prints each port's largest loss difference from DDP's, iteration by iteration.
+not copied into this repository). Writes each port into a temporary directory and prints its
+diff from train.py under DDP on CPU (the baseline: train.py with the two lines of its ``ddp``
+branch that name a CUDA device made CPU, which every CPU run needs; DDP's own run also drops
+``device_ids``). Then runs each at a tiny config (a synthetic 64-symbol dataset, 2 blocks, 2
+micro-batches a rank an iteration, a clip of 0.05 that every iteration's norm exceeds): 9
+iterations from scratch, and a run stopped after the save at iteration 4 then resumed to 8.
+Prints each port's largest loss difference from DDP's, iteration by iteration.
 
-The ports are the fewest edits that train right. Both sharded ports evaluate on every rank (a
-forward at stage 3 gathers, on every rank), keep the other ranks' RNG for their training
-batches (so every port draws DDP's batches), and decide the save from rank 0's validation loss
-(broadcast: each rank's own could disagree, and the save is collective). FSDP2 also needs the
-optimizer after ``fully_shard`` (one built before it trains nothing), its state loaded
-through ``set_optimizer_state_dict``, and rank 0's initial weights broadcast (nanoGPT seeds
-each rank differently; DDP broadcasts rank 0's, FSDP2 shards each rank's own). ``--fused``
-gives every system's AdamW ``fused=True`` (nanoGPT's choice on CUDA).
+The count: every line a unified diff marks (each ``+`` and each ``-``: a changed line is two),
+of ports written as tightly as each allows under one rule: PEP 8's layout (one statement a
+line, a compound statement's body on its own lines), and the port right wherever train.py runs:
+one process without torchrun too (so a collective, or an API that needs a process group, only
+``if ddp``), and every config nanoGPT ships (``always_save_checkpoint = False`` lets ranks
+disagree on saving: rank 0's loss is broadcast). Both ports reproduce DDP's losses, which
+takes, in both, the other ranks' RNG left to their training batches (``fork_rng`` around the
+evaluation every rank now runs) and, in FSDP2's, rank 0's initial weights broadcast (nanoGPT
+seeds each rank differently; DDP broadcasts rank 0's, FSDP2 shards each rank's own). FSDP2
+also needs its wrap before the optimizer (one built before it trains nothing) and the
+optimizer's state loaded through ``set_optimizer_state_dict``. ``--fused`` gives every
+system's AdamW ``fused=True`` (nanoGPT's choice on CUDA).
 """
 import argparse
 import difflib
@@ -44,31 +48,36 @@ def cpu_baseline(upstream):
     return sub(text, "    torch.cuda.set_device(device)\n", "")
 
 
-DDP_WRAP = "    model = DDP(model, device_ids=[ddp_local_rank])\n"
+DDP_WRAP = "if ddp:\n    model = DDP(model, device_ids=[ddp_local_rank])\n"
 SAVED_MODEL = "                    'model': raw_model.state_dict(),\n"
 SAVED_OPTIMIZER = "                    'optimizer': optimizer.state_dict(),\n"
 
 
 def evaluate_on_every_rank(text):
-    """The edits both sharded ports need: every rank evaluates, rank 0's loss decides the save."""
+    """The edits both ports need: every rank evaluates (a forward gathers), keeping the other
+    ranks' RNG for training; rank 0's loss decides the save; wandb and the file on rank 0."""
     text = sub(text, "    if iter_num % eval_interval == 0 and master_process:\n"
                      "        losses = estimate_loss()\n",
                "    if iter_num % eval_interval == 0:\n"
                "        with torch.random.fork_rng(enabled=not master_process):\n"
                "            losses = estimate_loss()\n"
-               "        torch.distributed.broadcast(losses['val'], 0)\n")
+               "        if ddp:\n"
+               "            torch.distributed.broadcast(losses['val'], 0)\n")
     text = sub(text, "        if wandb_log:\n", "        if wandb_log and master_process:\n")
     return sub(text, "                torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt'))\n",
-               "                if master_process: torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt'))\n")
+               "                if master_process:\n"
+               "                    torch.save(checkpoint, os.path.join(out_dir, 'ckpt.pt'))\n")
 
 
 def minishard_port(base, stage):
     text = sub(base, "from model import GPTConfig, GPT\n",
-               "from model import GPTConfig, GPT, Block\nimport minishard\n")
-    text = sub(text, DDP_WRAP, f"    model = minishard.ZeRO(model, stage={stage}, units={{Block}})\n")
-    text = sub(text, SAVED_MODEL, "                    'model': model.full_state_dict(rank0_only=True),\n")
-    text = sub(text, SAVED_OPTIMIZER,
-               "                    'optimizer': minishard.full_optimizer_state_dict(model, optimizer),\n")
+               "from model import GPTConfig, GPT\nimport minishard\n")
+    text = sub(text, DDP_WRAP, "if ddp:\n    model = minishard.ZeRO(model, stage="
+               f"{stage}, units={{type(model.transformer.h[0])}})\n")
+    text = sub(text, SAVED_MODEL, "                    'model': model.full_state_dict("
+               "rank0_only=True) if ddp else raw_model.state_dict(),\n")
+    text = sub(text, SAVED_OPTIMIZER, "                    'optimizer': minishard."
+               "full_optimizer_state_dict(model, optimizer) if ddp else optimizer.state_dict(),\n")
     return evaluate_on_every_rank(text)
 
 
@@ -78,22 +87,20 @@ def fsdp2_port(base):
                "from model import GPTConfig, GPT\nfrom torch.distributed.fsdp import fully_shard\n"
                "from torch.distributed.checkpoint.state_dict import get_model_state_dict, "
                "get_optimizer_state_dict, set_optimizer_state_dict, StateDictOptions\n")
-    optimizer = ("optimizer = model.configure_optimizers(weight_decay, learning_rate, (beta1, beta2), device_type)\n"
-                 "if init_from == 'resume':\n")
-    text = sub(text, optimizer + "    optimizer.load_state_dict(checkpoint['optimizer'])\n"
-                     "checkpoint = None # free up memory\n", "")
-    text = sub(text, DDP_WRAP, "    for p in model.parameters():\n"
-               "        torch.distributed.broadcast(p.data, 0)\n"
-               "    for block in model.transformer.h:\n        fully_shard(block)\n    fully_shard(model)\n"
-               + optimizer + "    set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'], "
-               "options=StateDictOptions(full_state_dict=True))\ncheckpoint = None # free up memory\n")
+    text = sub(text, DDP_WRAP, "")  # the wrap moves before the optimizer
+    text = sub(text, "model.to(device)\n", "model.to(device)\nif ddp:\n"
+               "    for p in model.parameters():\n        torch.distributed.broadcast(p.data, 0)\n"
+               "    for block in model.transformer.h:\n        fully_shard(block)\n"
+               "    fully_shard(model)\n")
+    text = sub(text, "    optimizer.load_state_dict(checkpoint['optimizer'])\n",
+               "    set_optimizer_state_dict(model, optimizer, checkpoint['optimizer'], "
+               "options=StateDictOptions(full_state_dict=True))\n")
     text = sub(text, "raw_model = model.module if ddp else model # unwrap DDP container if needed\n",
                "raw_model = model\n")
-    text = sub(text, SAVED_MODEL, f"                    'model': get_model_state_dict(model, options={full}),\n")
-    text = sub(text, SAVED_OPTIMIZER,
-               f"                    'optimizer': get_optimizer_state_dict(model, optimizer, options={full}),\n")
-    text = sub(text, "            model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)\n",
-               "            model.set_requires_gradient_sync(micro_step == gradient_accumulation_steps - 1)\n")
+    text = sub(text, SAVED_MODEL, f"                    'model': get_model_state_dict(model, "
+               f"options={full}),\n")
+    text = sub(text, SAVED_OPTIMIZER, "                    'optimizer': get_optimizer_state_dict("
+               f"model, optimizer, options={full}),\n")
     return evaluate_on_every_rank(text)
 
 
@@ -133,15 +140,20 @@ def prepare(work, nanogpt, world, fused):
 
 
 def run(work, script, world, *args):
-    out = subprocess.run(["torchrun", "--standalone", f"--nproc_per_node={world}", script,
-                          "cfg.py", *args], cwd=work, capture_output=True, text=True)
+    """The iterations a run printed (``world`` 0: one process, no torchrun)."""
+    launch = [sys.executable] if world == 0 else ["torchrun", "--standalone",
+                                                  f"--nproc_per_node={world}"]
+    out = subprocess.run([*launch, script, "cfg.py", *args], cwd=work, capture_output=True,
+                         text=True)
     found = re.findall(r"iter (\d+): loss ([\d.]+) norm ([\d.]+)", out.stdout)
     return [(int(i), float(loss), float(norm)) for i, loss, norm in found]
 
 
 def changed(base, port):
+    """Every line of the unified diff that is added or removed (its ``+``/``-`` lines, not the
+    file headers): a line changed counts twice, as a reviewer reads it."""
     diff = list(difflib.unified_diff(base.splitlines(), port.splitlines(), lineterm="", n=0))
-    return [line for line in diff if line[:1] == "+" and not line.startswith("+++")]
+    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 
 
 def main():
@@ -151,7 +163,8 @@ def main():
     parser.add_argument("--fused", action="store_true")
     args = parser.parse_args()
     base = cpu_baseline(open(os.path.join(args.nanogpt, "train.py")).read())
-    ports = {"ddp": sub(base, DDP_WRAP, "    model = DDP(model)\n"), "fsdp2": fsdp2_port(base)}
+    ports = {"ddp": sub(base, DDP_WRAP, "if ddp:\n    model = DDP(model)\n"),
+             "fsdp2": fsdp2_port(base)}
     ports.update({f"minishard stage {s}": minishard_port(base, s) for s in (1, 2, 3)})
     work = tempfile.mkdtemp(prefix="nanogpt_port_")
     prepare(work, args.nanogpt, args.world, args.fused)
@@ -159,7 +172,7 @@ def main():
     for name, text in ports.items():
         lines = changed(base, text)
         if name != "ddp":
-            print(f"{name}: {len(lines)} lines changed from train.py under DDP")
+            print(f"{name}: {len(lines)} lines of diff from train.py under DDP (+ and -)")
             print("\n".join("    " + line for line in lines))
         script = name.replace(" ", "_") + ".py"
         with open(os.path.join(work, script), "w") as f:
@@ -168,6 +181,9 @@ def main():
         full = run(work, script, args.world, out_dir)
         run(work, script, args.world, out_dir, "--max_iters=4")
         runs[name] = (full, run(work, script, args.world, out_dir, "--init_from=resume"))
+        alone = run(work, script, 0, f"--out_dir=alone_{script[:-3]}", "--max_iters=4")
+        print(f"  {name}: one process, no torchrun, iterations 0-4 with a save at 4: "
+              f"{'ran' if [i for i, *_ in alone] == list(range(5)) else 'FAILED'}")
     print(f"\n{args.world} ranks, AdamW{' fused' if args.fused else ''}: largest |loss - DDP's|")
     for i, kind in enumerate(("from scratch", "resumed at 4")):
         ddp = runs["ddp"][i]
