@@ -412,6 +412,17 @@ def test_stubs_report_not_implemented(pools):
     assert "fill in" in failure.hint
 
 
+def test_every_hint_says_how_on_a_second_failure(pools):
+    """The exercises' README promises that the next failure says how: a hint that is one string
+    (here the stub's NotImplementedError) gets the exercise's recipe as its second step."""
+    stub = f"{STUBS / 'shard_layout.py'}:shard_layout"
+    first, second = (check("shard_layout", stub, pools, (2,), 1, hint_level=level)
+                     for level in (0, 1))
+    assert "fill in" in first.hint and "hint 1 of 2" in first.hint and "How:" not in first.hint
+    assert second.hint.startswith("fill in") and "How: for each parameter: R = " in second.hint
+    assert "hint" not in second.hint.split("How:")[1], second.hint
+
+
 def test_a_learner_exception_is_reported_not_raised(pools):
     failure = check("shard_layout", _raises, pools, (2,), 1)
     assert failure is not None and "ZeroDivisionError" in failure.got

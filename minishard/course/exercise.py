@@ -84,11 +84,35 @@ def _differs(got, expected, rtol: float = 1e-9, atol: float = 1e-12) -> bool:
     return got != expected
 
 
-def _hint(hint, level: int) -> str:
-    """A hint is one string, or steps: what is wrong first, then how to do it. ``level`` is how
-    many times this exercise failed before; the last step stays once reached."""
+# The last step of every hint of an exercise: how to do it (its first says what is wrong).
+HOW = {
+    "ring_all_reduce": "chunks = tensor.tensor_split(N); reduce phase, step s = 0..N-2: send "
+                       "chunk (rank - s) % N right, receive chunk (rank - s - 1) % N from the "
+                       "left into a buffer and ADD it to that chunk; gather phase, s = 0..N-2: "
+                       "send chunk (rank + 1 - s) % N, receive chunk (rank - s) % N and COPY it "
+                       "in (tutorial 01 builds this ring)",
+    "syncbn_backward": "x̂ = (x - mean)·invstd; put this rank's Σdy and Σ(dy·x̂) (per channel) "
+                       "side by side in ONE tensor of 2C and all_reduce it once: A, B; then "
+                       "dx = weight·invstd·(dy - A/n - x̂·B/n) with n the global count, and "
+                       "dweight, dbias from this rank's rows alone (minishard/syncbn.py)",
+    "shard_layout": "for each parameter: R = its dim-0 size (1 if 0-dim), c = ceil(R/N); rows "
+                    "(min(r·c, R), min((r+1)·c, R)); width c x (elements per row); k = the sum "
+                    "of the widths (minishard/zero/flat.py, Layout)",
+    "reduce_gradient": "k = len(full_grad) // N; out = an empty k-element tensor; "
+                       "reduce_scatter(out, full_grad); divide by N; keep out[:real], real = "
+                       "max(0, min(k, numel - rank·k)) (minishard/zero/flat.py, reduce_grads)",
+    "clip_grad_norm": "total = a one-element tensor of Σ g² over this rank's shards; "
+                      "all_reduce(total); total = sqrt; multiply every shard in place by "
+                      "min(1, max_norm / (total + 1e-6)); return total",
+}
+
+
+def _hint(hint, level: int, name: str = "") -> str:
+    """A hint is one string, or steps: what is wrong first, then how to do it (a string's next
+    step: it again, then ``HOW[name]``). ``level`` is how many times this exercise failed
+    before; the last step stays once reached."""
     if isinstance(hint, str):
-        return hint
+        hint = (hint, f"{hint.rstrip('.')}. How: {HOW[name]}") if name in HOW else (hint,)
     step = min(level, len(hint) - 1)
     more = "" if step == len(hint) - 1 else (f"  (hint {step + 1} of {len(hint)}: fail again "
                                              "for the next)")
@@ -149,22 +173,23 @@ def _on_rank(name: str, solution, case: dict, level: int = 0):
         checks, shared = EXERCISES[name].run(_guarded(solution), case, rank, world)
     except NotImplementedError:
         return (("your function", "an implementation", "NotImplementedError",
-                 "fill in the body of the stub (its docstring says what it must do)"), None)
+                 _hint("fill in the body of the stub (its docstring says what it must do)",
+                       level, name)), None)
     except _Raised as raised:  # the learner's bug: show where, not the checker's traceback
         exc = raised.__cause__
         lines = traceback.format_exception(type(exc), exc, exc.__traceback__)
         return (("your function", "no exception", "".join(lines[-3:]).strip(),
-                 "your function raised this (the last lines of its traceback say where); if "
-                 "a collective raised it, every rank must make the same calls in the same "
-                 "order"), None)
+                 _hint("your function raised this (the last lines of its traceback say where); "
+                       "if a collective raised it, every rank must make the same calls in the "
+                       "same order", level, name)), None)
     except Exception as exc:  # the checks could not use what the function returned
         return (("what your function returned", "what the stub's docstring describes",
-                 f"{type(exc).__name__}: {exc}", "return exactly what the stub's docstring "
-                 "says: the types, shapes and number of values"), None)
+                 f"{type(exc).__name__}: {exc}", _hint("return exactly what the stub's "
+                 "docstring says: the types, shapes and number of values", level, name)), None)
     for what, got, expected, hint, *tol in checks:
         if _differs(got, expected, *tol):
             hint = _form_hint(got, expected) or hint
-            return (what, show(expected), show(got), _hint(hint, level)), shared
+            return (what, show(expected), show(got), _hint(hint, level, name)), shared
     return None, shared
 
 
@@ -192,8 +217,9 @@ def check(name: str, solution, pools: Callable[[int], "object"], worlds=WORLDS,
             except TimeoutError:
                 return Failure(name, world, -1, inputs, "every rank finishing",
                                "all ranks return", "some ranks never returned",
-                               "a rank waited in a collective another rank never called: "
-                               "every rank must call the same communication, in the same order")
+                               _hint("a rank waited in a collective another rank never "
+                                     "called: every rank must call the same communication, "
+                                     "in the same order", hint_level, name))
             for rank, (failed, _) in enumerate(results):
                 if failed is not None:
                     return Failure(name, world, rank, inputs, *failed)
@@ -201,7 +227,7 @@ def check(name: str, solution, pools: Callable[[int], "object"], worlds=WORLDS,
             if disagree is not None:
                 rank, what, expected, got, hint = disagree
                 return Failure(name, world, rank, inputs, what, expected, got,
-                               _hint(hint, hint_level))
+                               _hint(hint, hint_level, name))
     return None
 
 
