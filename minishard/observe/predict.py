@@ -19,9 +19,10 @@ Two predictions, for two questions:
     run.peak, run.at_peak, run.median_s      # bytes, what was alive then, seconds
     timeline(run.dry_steps[0], world=4)      # that step in time: computing, each collective
 
-``python -m minishard.plan --check [--model gpt]`` (under torchrun) puts both beside a run here,
+``torchrun --nproc_per_node=N -m minishard.plan --check --model M`` puts both beside a run here,
 for DDP and stages 0-3 (:func:`check`); ``--timeline SYSTEM`` prints every rank's step in time
-(:func:`describe`). How close: bench/RESULTS.md, "The planner beside a run".
+(:func:`describe`); M is bench/'s ``mlp`` or ``gpt`` or yours (observe/models.py). How close:
+bench/RESULTS.md, "The planner beside a run".
 A dry run spends this rank's memory and one process's time: for a model bigger than this
 machine, the plan's bound and plan.py's formulas are what there is.
 """
