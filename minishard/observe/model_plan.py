@@ -82,28 +82,34 @@ def _fits(peak: float, memory: float | None, headroom: float) -> str:
     return "" if memory is None else f"{'yes' if peak <= memory - headroom else 'no':>6}"
 
 
+def _unit(largest: float) -> tuple[str, int]:
+    """The table's unit: MiB, or KiB for a model whose every number is under a MiB."""
+    return ("KiB", 2**10) if largest < 2**20 else ("MiB", 2**20)
+
+
 def dry_run_lines(runs: list[list[predict.Run]], memory: float | None = None,
                   headroom: float = 0.0) -> list[str]:
     """``python -m minishard.plan --model``'s table from :func:`timelines`: each system's bytes
     at rest and step peak on the rank where they are largest, its slowest rank's median step."""
-    world = len(runs)
-    lines = [f"{'':18}{'at rest MiB':>12}{'step peak MiB':>15}{'step ms':>10}"
-             + ("  fits" if memory is not None else "")]
-    fitting = []
+    world, fitting, rows = len(runs), [], []
     for i, system in enumerate(predict.SYSTEMS):
         rest, peak = (max(getattr(rank[i], key) for rank in runs) for key in ("at_rest", "peak"))
+        rows.append((system, rest, peak, max(rank[i].median_s for rank in runs)))
         if memory is not None and peak <= memory - headroom:
             fitting.append(system)
-        lines.append(f"{predict.name_of(system):18}{rest / 2**20:12.2f}{peak / 2**20:15.2f}"
-                     f"{1e3 * max(rank[i].median_s for rank in runs):10.2f}"
-                     + _fits(peak, memory, headroom))
-    lines += ["", f"at rest: allocated between steps, the batch not counted (parameters, "
-              "optimizer state, what the system keeps); step peak: the most allocated at once in a step, its "
-              "activations included; both on the rank where they are largest, measured in a dry "
-              f"run of each rank (tensors as on a GPU; not NCCL's buffers, nor what a caching "
-              f"allocator reserves beyond them). step ms: the slowest rank's median step "
-              f"on THIS machine's cores and gloo, {world} ranks sharing them (where that time "
-              f"goes: --timeline)."]
+    unit, size = _unit(max(peak for _, _, peak, _ in rows))
+    lines = [f"{'':18}{'at rest ' + unit:>12}{'step peak ' + unit:>15}{'step ms':>10}"
+             + ("  fits" if memory is not None else "")]
+    lines += [f"{predict.name_of(system):18}{rest / size:12.2f}{peak / size:15.2f}"
+              f"{1e3 * seconds:10.2f}" + _fits(peak, memory, headroom)
+              for system, rest, peak, seconds in rows]
+    lines += ["", "at rest: allocated between steps, the batch not counted (parameters, "
+              "optimizer state, what the system keeps); step peak: the most allocated at once in "
+              "a step, its activations included; both on the rank where they are largest, "
+              "measured in a dry run of each rank (on a GPU, add what this does not count: "
+              "NCCL's own buffers, what the caching allocator reserves beyond what is "
+              "allocated). step ms: the slowest rank's median step on THIS machine's cores and "
+              f"gloo, {world} ranks sharing them (where that time goes: --timeline)."]
     if memory is not None:
         lines.append(f"The lowest that fits in {fmt_decimal(memory)} less {fmt_decimal(headroom)} "
                      "headroom: " + (predict.name_of(fitting[0]) if fitting else "none"))
@@ -114,17 +120,19 @@ def meta_plan_lines(module: nn.Module, world: int, units, optimizer: str = "adam
                     memory: float | None = None, headroom: float = 0.0) -> list[str]:
     """A model on the meta device: stages 0-3 by the plan (:func:`predict_memory`: what a rank
     holds at rest, and the step's buffers at their largest), activations not counted."""
-    lines = [f"{'':18}{'at rest MiB':>12}{'with step buffers':>18}" +
-             ("  fits" if memory is not None else "")]
+    rows = []
     for stage in range(4):
         parts = [predict.predict_memory(module, stage, world, r, units, optimizer)
                  for r in range(world)]
-        rest = max(p["parameters"] + p["optimizer state"] for p in parts)
-        bound = max(sum(p.values()) for p in parts)
-        lines.append(f"{predict.name_of(stage):18}{rest / 2**20:12.2f}{bound / 2**20:18.2f}"
-                     + _fits(bound, memory, headroom))
+        rows.append((stage, max(p["parameters"] + p["optimizer state"] for p in parts),
+                     max(sum(p.values()) for p in parts)))
+    unit, size = _unit(max(bound for *_, bound in rows))
+    lines = [f"{'':18}{'at rest ' + unit:>12}{'with step buffers':>18}"
+             + ("  fits" if memory is not None else "")]
+    lines += [f"{predict.name_of(stage):18}{rest / size:12.2f}{bound / size:18.2f}"
+              + _fits(bound, memory, headroom) for stage, rest, bound in rows]
     return lines + ["", "On the meta device nothing runs: at rest is the plan's (the engine's "
-                    "buffers by its own rules, the optimizer's state); '+ step buffers' adds what "
-                    "a step allocates beyond it, each buffer at its largest (a bound), the "
-                    "ACTIVATIONS NOT COUNTED. DDP and the step time need a dry run: build the "
-                    "model on the CPU."]
+                    "buffers by its own rules, the optimizer's state); 'with step buffers' adds "
+                    f"what a step allocates beyond it ({unit}), each buffer at its largest (a "
+                    "bound), the ACTIVATIONS NOT COUNTED. DDP and the step time need a dry run: "
+                    "build the model on the CPU."]

@@ -329,7 +329,7 @@ def _dry_run_arguments(parser) -> None:
     parser.add_argument("--model", metavar="mlp|gpt|FILE.py:FUNCTION",
                         help="plan this model on --ranks (default 2): DDP and stages 0-3, what "
                              "a rank holds, its step's peak and time (FUNCTION() returns "
-                             "{'model', 'batch', 'units', 'loss'}: observe/models.py)")
+                             "{'model', 'batch', 'units', 'loss'}: tutorials/planning.md)")
     parser.add_argument("--check", action="store_true",
                         help="under torchrun: predict --model's step (default mlp) with DDP and "
                              "stages 0-3, then measure it here")
