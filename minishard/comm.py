@@ -82,7 +82,7 @@ class CollectiveMismatch(RuntimeError):
 
 
 _debug = {"on": os.environ.get("MINISHARD_DEBUG", "0") not in ("", "0"),
-          "timeout": float(os.environ.get("MINISHARD_DEBUG_TIMEOUT", "10"))}
+          "timeout": costs.setting("MINISHARD_DEBUG_TIMEOUT", 10.0)}
 _FINGERPRINT_BYTES = 192
 
 
@@ -190,11 +190,11 @@ class CollectiveError(RuntimeError):
     """A collective did not complete here: past MINISHARD_TIMEOUT, or failed by the backend."""
 
 
-_timeout = {"limit": timedelta(seconds=float(os.environ.get("MINISHARD_TIMEOUT", "600")))}
+_timeout = {"limit": timedelta(seconds=costs.setting("MINISHARD_TIMEOUT", 600.0))}
 
 
 def set_timeout(seconds: float) -> None:  # how long a rank waits in one of comm's collectives
-    _timeout["limit"] = timedelta(seconds=seconds)
+    _timeout["limit"] = timedelta(seconds=costs.checked("set_timeout", seconds, float))
 
 
 class Handle:
@@ -230,8 +230,8 @@ class Handle:
 
 
 def _dumped(error: RuntimeError) -> RuntimeError:  # after the flight record is written
-    if FLIGHT.on_failure is not None:
-        FLIGHT.on_failure(str(error))
+    note = FLIGHT.on_failure(str(error)) if FLIGHT.on_failure is not None else ""
+    error.args = (f"{error}\n  ({note})",) if note else error.args  # where it is, who reads it
     return error
 
 

@@ -196,16 +196,17 @@ def dry_run(world: int, rank: int = 0, together: dist.Store | None = None):
                            "before init_process_group (python -m minishard.plan --check does)")
     if not 0 <= rank < world:
         raise ValueError(f"dry_run: rank {rank} is not one of {world} ranks")
-    dist.init_process_group("mirror", store=dist.HashStore(), rank=rank, world_size=world)
-    mirror, worlds = dist.group.WORLD, dist.distributed_c10d._world.pg_map
-    mirror.together = together
-    worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
-    debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
-    comm.set_debug(False)
-    comm.set_observer(mirror)
-    try:
-        yield mirror
-    finally:
-        comm.set_observer(None)
-        comm.set_debug(debug)
-        dist.destroy_process_group()
+    with comm.FLIGHT.kept_apart():  # a world that is not there: in no flight record, arms none
+        dist.init_process_group("mirror", store=dist.HashStore(), rank=rank, world_size=world)
+        mirror, worlds = dist.group.WORLD, dist.distributed_c10d._world.pg_map
+        mirror.together = together
+        worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
+        debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
+        comm.set_debug(False)
+        comm.set_observer(mirror)
+        try:
+            yield mirror
+        finally:
+            comm.set_observer(None)
+            comm.set_debug(debug)
+            dist.destroy_process_group()
