@@ -6,11 +6,12 @@ nanoGPT (github.com/karpathy/nanoGPT, MIT licence) trains with DDP. Its model.py
 below in its own shape (smaller, the same modules, the same initialisation, the same
 ``configure_optimizers``), and its train.py's loop as ``train()``, shortened: left out are the
 GradScaler and autocast (a float64 run on the CPU has neither: ``scaler.scale(loss)`` is
-``loss``), timing and MFU, wandb, ``torch.compile``, the config system and the checkpoint's
-``model_args`` and ``config``; names are shortened (``GRAD_ACCUM`` for
-``gradient_accumulation_steps``, ``say`` for rank 0's ``print``). Every line that is kept but
-differs from train.py is marked: ``# PORT:`` where DDP becomes minishard (the port), ``# LESSON:``
-where this lesson checks itself (each says why). The port, and why:
+``loss``), timing and MFU, wandb, ``torch.compile``, the config system (the model is built from
+module constants), devices, and the checkpoint's ``model_args`` and ``config``; names are
+shortened (``GRAD_ACCUM`` for ``gradient_accumulation_steps``, ``say`` for rank 0's ``print``).
+Every line that is kept but differs from train.py is marked: ``# PORT:`` where DDP becomes
+minishard (the port), ``# LESSON:`` where this lesson checks itself (each says why). The port,
+and why:
 
     nanoGPT (DDP)                                       minishard stage 3
     model = DDP(model, device_ids=[ddp_local_rank])     model = minishard.ZeRO(model, stage=3,
@@ -238,7 +239,8 @@ def train(rank, world, ddp, out_dir, resume=False, say=print):
     """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch)."""
     torch.manual_seed(1337 + rank)  # each rank its own seed, as train.py
     master_process = rank == 0
-    ckpt_path = os.path.join(out_dir, "ckpt.pt") if out_dir else None
+    ckpt_path = os.path.join(out_dir, "ckpt.pt") if out_dir else None  # LESSON: the oracle's
+    # is None (train.py joins out_dir and 'ckpt.pt' where it loads and where it saves)
     model = GPT()
     iter_num, best_val_loss = 0, 1e9
     if resume:  # nanoGPT's resume, unchanged: every rank reads the full checkpoint
