@@ -86,6 +86,10 @@ ELSEWHERE = {(name, n) for name, n in PLOTS.items()} | {
     ("12_beside_the_stock_tools.py", 2), ("12_beside_the_stock_tools.py", 3)}  # test_beside_stock
 
 
+# 15 launches eleven small jobs one after another (about 70 s on a quiet machine; start-up
+# alone can take 20 s a job on a loaded one): its own timeout.
+TIMEOUTS = {"15_when_it_hangs.py": 600}
+
 # 15's rank 0 launches its own jobs while the others wait: at 1, 3 or 4 ranks it would only
 # repeat what it does at 2 (minutes of broken jobs each); the thorough profile runs them.
 if os.environ.get("MINISHARD_HYPOTHESIS_PROFILE") != "thorough":
@@ -110,7 +114,7 @@ def world_sizes(i: int, name: str) -> set[int]:
                                          for n in sorted(world_sizes(i, name))
                                          if (name, n) not in ELSEWHERE])
 def test_tutorial_at_every_world_size(name, nproc):
-    proc = torchrun(nproc, f"tutorials/{name}")
+    proc = torchrun(nproc, f"tutorials/{name}", timeout=TIMEOUTS.get(name, 180))
     if nproc in REFUSED.get(name, ()):
         line = _refused(proc, nproc)
         assert f"tutorials/{name} needs " in line and f"got {nproc}" in line

@@ -50,13 +50,15 @@ CAUSES = {
         "from a value every rank shares, e.g. an all-reduced loss); rank0_only=True keeps the "
         "result on rank 0"),
     "no_sync on some ranks only": (
-        "the ranks are backward passes apart, and each extra pass of the ranks ahead reduced "
-        "nothing (records that reach back to the first pass)",
+        "the ranks are backward passes apart and each extra pass of the ranks ahead reduced "
+        "nothing (the drift inside what every ring still holds); or, in one pass, a rank that "
+        "reduced nothing has left its backward where another reduces; or the engine's no_sync "
+        "collective (the first backward after accumulating) on some ranks only",
         "enter model.no_sync() (or set require_backward_grad_sync) on every rank alike: the "
         "gradient reductions must run on all ranks or on none"),
     "a backward on some ranks only": (
-        "the ranks are backward passes apart, and every pass of the ranks ahead reduced its "
-        "gradients (records that reach back to the first pass): the ranks behind skipped a "
+        "the ranks are backward passes apart and every pass of the ranks ahead reduced its "
+        "gradients (the drift inside what every ring still holds): the ranks behind skipped a "
         "backward (a batch skipped on a loss spike), or the ranks ahead ran an extra one",
         "run backward() for every batch on every rank, or skip it on all (decide from a value "
         "every rank shares: all-reduce the flag); an extra backward on some ranks likewise"),
@@ -65,12 +67,13 @@ CAUSES = {
         "call requires_grad_(...) on every rank alike (and before the step's forward): the ranks "
         "reduce the gradients of different buffers"),
     "uneven inputs without Join": (
-        "a rank's stream ended because it exited cleanly, in step with the others (same "
-        "backward pass) while they went on",
+        "a rank's stream ended because it exited cleanly, in step with the others (the same "
+        "backward pass, or the others just past it) while they went on",
         "give every rank the same number of batches (DistributedSampler(drop_last=True)) or wrap "
         "the loop in torch's Join([model])"),
     "a rank stopped on an error": (
-        "a rank's stream ended because an exception of its own ended it (its record says which)",
+        "a rank's stream ended because an exception of its own ended it (its record says "
+        "which; not a peer's closed connection, nor a timeout)",
         "read that rank's traceback: it raised, and every other rank waited for it"),
     "a rank died": (
         "a rank left no record, and the others' say a peer closed its connection or that "
@@ -80,6 +83,8 @@ CAUSES = {
 }
 _GENERIC = "the ranks issued different collectives: look for a branch on the rank or its data"
 _CHECKPOINT = re.compile(r"checkpoint|full_state|from rank 0|dcp|verdict")
+_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (closed|reset)"
+                        r"|SIGTERM", re.IGNORECASE)
 
 
 def _extra_lines(s: Scene, kind) -> tuple[int, dict] | None:
@@ -103,10 +108,13 @@ def _forward(e: dict) -> bool:
 
 
 def _ended_rank(s: Scene, clean: bool) -> int | None:
-    """A rank whose stream ended there, having exited (cleanly, or on its own exception)."""
+    """A rank whose stream ended there, having exited cleanly, or on an exception of its own
+    (not a peer's connection closing, nor a timeout: those follow another rank's trouble)."""
     for rank, e in sorted(s.sides.items()):
         why = s.records[rank]["why"]
-        if e is None and (why == "exit" if clean else why.startswith("exit after")):
+        own = why.startswith("exit after") and not _PEER_GONE.search(why) and not re.search(
+            r"timed? ?out", why, re.IGNORECASE)
+        if e is None and (why == "exit" if clean else own):
             return rank
     return None
 
@@ -172,6 +180,15 @@ _FITS = {  # cause -> (the rank to name, its collective to name) when the scene 
 }
 
 
+def _last(record: dict) -> dict | None:  # its last collective on record
+    return record["collectives"][-1] if record["collectives"] else None
+
+
+def _ranks(ranks: list[int]) -> str:  # a few ranks by number, many counted
+    return ", ".join(map(str, ranks)) if len(ranks) <= 8 else (
+        f"{', '.join(map(str, ranks[:6]))}, ... ({len(ranks)} in all)")
+
+
 def _why(record: dict, most: int = 200) -> str:  # how its record came to be written
     return record["why"].splitlines()[0][:most] if record["why"] else "?"
 
@@ -202,9 +219,9 @@ def _named(cause: str, rank: int, e: dict | None, s: Scene) -> list[str]:
     else:
         head = (f"{cause}: rank {rank}, {e['op']} of {e['tag'] or '?'} ({e['phase'] or '-'} of "
                 f"unit {e['unit'] or '-'}) at {where(e)}")
-    if cause in ("no_sync on some ranks only", "a backward on some ranks only"):
+    if s.ahead and cause in ("no_sync on some ranks only", "a backward on some ranks only"):
         head += (f"; rank {s.ahead[0]} is {s.gap} backward pass{'es' * (s.gap > 1)} ahead of "
-                 f"rank {s.ahead[1]}") if s.ahead else "; it reduced nothing in this pass"
+                 f"rank {s.ahead[1]}")
     requires, fix = CAUSES[cause]
     return [head, f"evidence: {requires}", *_sides(s), f"fix: {fix}"]
 
@@ -213,8 +230,9 @@ def _unsure(s: Scene, fitting: list[str]) -> list[str]:
     """What is known: where each rank is, at which line; and the causes that could be."""
     known = "; ".join(
         f"rank {r} at {where(e)} ({e['op']} of {e['tag'] or '?'}, {e['phase'] or '-'}, pass "
-        f"{e['backwards']})" if e is not None else f"rank {r} issued nothing more "
-        f"({_why(s.records[r], 60)})" for r, e in sorted(s.sides.items()))
+        f"{e['backwards']})" if e is not None else f"rank {r} issued nothing more after "
+        f"{where(_last(s.records[r]))} ({_why(s.records[r], 60)})"
+        for r, e in sorted(s.sides.items()))
     if s.ahead:
         known += f"; rank {s.ahead[0]} is {s.gap} backward pass(es) ahead of rank {s.ahead[1]}"
     if s.extra:
@@ -251,10 +269,6 @@ def _agreed(records: dict[int, dict]) -> list[str]:
         f"{where(last[r])}" if r in last else "") for r, rec in sorted(records.items())]]
 
 
-_PEER_GONE = re.compile(r"closed by peer|reset by peer|broken pipe|connection (closed|reset)"
-                        r"|SIGTERM", re.IGNORECASE)
-
-
 def _missing(records: dict, faults: dict, missing: list[int]) -> tuple[int, list[str]]:
     """Ranks that left no record: read from a fault file, or from what the others say."""
     rank = missing[0]
@@ -271,7 +285,7 @@ def _missing(records: dict, faults: dict, missing: list[int]) -> tuple[int, list
                        f"  none of the known causes fits the records: {_GENERIC}"]
         return 0, [f"{cause}: {seen}", f"evidence: {_FAULTS[cause]}", *sides,
                    f"fix: {CAUSES[cause][1]}"]
-    gone = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} left no record"
+    gone = f"rank{'s' * (len(missing) > 1)} {_ranks(missing)} left no record"
     if any(_PEER_GONE.search(rec["why"]) for rec in records.values()):
         return 0, [f"a rank died: {gone}: died (killed, out of memory, os._exit){waits}",
                    f"evidence: {CAUSES['a rank died'][0]}", *sides,

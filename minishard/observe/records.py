@@ -26,6 +26,7 @@ _ROW = {"nth": int, "op": str, "tag": str, "numel": int, "dtype": str, "group": 
         "ranks": list, "phase": str, "unit": str, "backwards": int, "file": (str, type(None)),
         "line": (int, type(None)), "issued": _NUMBER, "landed": (*_NUMBER, type(None))}
 _GROUP = {"group": str, "ranks": list, "issued": int}
+_NOW = {"phase": str, "unit": str, "backwards": int}
 _NAME = re.compile(r"rank(\d+)\.(json|fault)")
 
 
@@ -63,6 +64,7 @@ def _read(path: Path) -> dict:
         _checked(path, _ROW, row, f"collective {i}")
     for i, group in enumerate(record["groups"]):
         _checked(path, _GROUP, group, f"group {i}")
+    _checked(path, _NOW, record["now"], "its 'now'")
     if f"rank{record['rank']}.json" != path.name or not 0 <= record["rank"] < record["world"]:
         raise Unreadable(f"{path}: says it is rank {record['rank']} of {record['world']} "
                          "(each rank writes its own rank<r>.json)")
@@ -88,7 +90,10 @@ def load(directory: str | Path) -> tuple[dict[int, dict], dict[int, str], int, l
     for path in files:
         rank = int(_NAME.fullmatch(path.name).group(1))
         if path.suffix == ".fault" and rank not in records and rank < world:
-            head, _, text = path.read_text(errors="replace").partition("\n")
+            try:
+                head, _, text = path.read_text(errors="replace").partition("\n")
+            except OSError:  # unreadable: as if gloo had not aborted it
+                continue
             if head == f"minishard job {newest}" and text.strip():  # this job's, not empty
                 faults[rank] = text
     return records, faults, world, aside
@@ -222,7 +227,10 @@ def _drift(s: Scene, by_rank: dict, begin: int) -> None:
     # Apart only because a rank left: the others began a pass it never began (stage 0's
     # first collective of a step is in backward), which is what a batch fewer looks like too.
     s.left = at is s.passes and None in s.sides.values()
-    first = {r: by_rank[r][1][begin]["backwards"] for r in (ahead, behind)}
+    starts = {r: by_rank.get(r, [0, {}])[1].get(begin) for r in (ahead, behind)}
+    if None in starts.values():  # a stream that ended before the window: nothing to count
+        return
+    first = {r: e["backwards"] for r, e in starts.items()}
     if (at[ahead] - first[ahead]) - (at[behind] - first[behind]) != s.gap:
         return  # apart already where the window begins: their extra passes are not on record
     for r in (ahead, behind):  # passes wholly inside the window, before the point
