@@ -81,7 +81,8 @@ def sync_initial_state(module: nn.Module, group) -> None:
 def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
                 param_dtype: torch.dtype | None, group_of: Callable[[nn.Parameter], int],
                 is_replicated=None, device=None, param_init_fn=None,
-                meter: WrapMeter | None = None, model: int = 0) -> list[Unit]:
+                meter: WrapMeter | None = None, model: int = 0,
+                reshard_after_forward: bool = False) -> list[Unit]:
     """Find the units of ``root`` (``units=`` as ZeRO takes it), give every parameter to its
     owner, build the flat buffers on ``groups`` (config.Groups) and fill them.
 
@@ -89,7 +90,9 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     none): parameters of different groups never share a flat buffer, so each shard belongs to
     exactly one group. ``is_replicated(p, places)`` (:func:`replicated_predicate`): is a parameter
     kept whole on every rank? Tensors on the meta device are materialised on ``device`` by
-    ``param_init_fn`` (deferred_init.py). ``model``: the number the buffers' stamps carry."""
+    ``param_init_fn`` (deferred_init.py). ``model``: the number the buffers' stamps carry.
+    Every unit comes back at rest (unit.py: SHARDED; stage 3, ``reshard_after_forward``, has
+    freed its full buffers)."""
     deferred = None
     if has_meta_tensors(root):  # materialised below, broadcast from rank 0
         deferred = DeferredInit(torch.device(device) if device else default_device(),
@@ -101,7 +104,8 @@ def build_units(root: nn.Module, units, groups, *, flat_mode: FlatMode,
     owned, places = owned_params(root, units)
     built = []
     for uname, mine in owned:  # registration order, root first
-        unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname))
+        unit = Unit(uname or "<root>", root if uname == "" else root.get_submodule(uname),
+                    reshard_after_forward)
         _add_flats(unit, mine, places, groups, flat_mode, param_dtype, group_of, is_replicated,
                    deferred, meter, model)
         built.append(unit)
@@ -236,9 +240,9 @@ def flat_mode_of(flat_mode: FlatMode, dtype, compute, replicated: bool) -> FlatM
 
 def _adopt(unit: Unit, meter: WrapMeter) -> None:
     """The values are in the flat buffers: each original parameter now holds this rank's rows
-    (its previous storage is freed), and every place holds it. One that cannot be kept (stages
-    1-3: a DTensor; a meta tensor, another device) is replaced: an optimizer built over it
-    steps its successor (guards.py). The
+    (its previous storage is freed), and every place holds it: the unit at rest (stage 3 frees
+    its full buffers). One that cannot be kept (stages 1-3: a DTensor; a meta tensor, another
+    device) is replaced: an optimizer built over it holds its successor (guards.py). The
     module is marked wrapped here, when its parameters change: a wrap that fails before (a
     deferred initialiser that raises) leaves the model as it was, to wrap again."""
     unit.module._minishard_unit = unit.name
@@ -247,7 +251,9 @@ def _adopt(unit: Unit, meter: WrapMeter) -> None:
         originals = [p.places[0].module._parameters[p.places[0].attr] for p in params]
         meter.drop(storage_bytes(originals))
         for original, new in zip(originals, flat.adopt(originals)):
-            if new is not original:  # an optimizer built over it steps ``new`` (guards.py)
+            if new is not original:  # an optimizer built over it holds ``new`` (guards.py)
                 original._minishard_successor = weakref.ref(new)
                 original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+    held = sum(flat.held_bytes() for flat in unit.flats)
     unit.to_sharded()
+    meter.drop(held - sum(flat.held_bytes() for flat in unit.flats))

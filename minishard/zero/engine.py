@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import functools
 import weakref
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard import comm
@@ -47,9 +50,9 @@ from minishard.zero.config import (MixedPrecision, cast_buffers, cast_inputs, ch
 from minishard.zero.flat import FlatMode
 from minishard.zero.meters import Meters, WrapMeter, memory_report, step_transients
 from minishard.zero.schedule import Gatherer, Pass, Reducer, clip_grad_norm
-from minishard.zero.unit import Unit
+from minishard.zero.unit import Unit, UnitState
 
-__all__ = ["ZeRO", "StagePolicy", "STAGES", "MixedPrecision", "resolve_groups"]
+__all__ = ["ZeRO", "StagePolicy", "STAGES", "Phase", "MixedPrecision", "resolve_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +70,14 @@ STAGES = {
 }
 
 
+class Phase(enum.Enum):
+    """Where the engine is in a step: the one field its hooks decide by (``self.phase``)."""
+    IDLE = "idle"                  # between steps: every unit at rest (SHARDED)
+    FORWARD = "forward"            # a forward began; its backward has not (it may never come)
+    BACKWARD = "backward"          # autograd runs the backward (a forward now recomputes)
+    ACCUMULATING = "accumulating"  # a no_sync backward ended; the step goes on (micro-batches)
+
+
 def _weak_hook(engine, method, *keys):
     """A hook calling ``method(engine, *keys, *hook_args)`` that does not keep ``engine`` alive."""
     ref = weakref.ref(engine)
@@ -75,6 +86,16 @@ def _weak_hook(engine, method, *keys):
         alive = ref()
         return None if alive is None else method(alive, *keys, *args)
     return hook
+
+
+def _first_step_check(optimizer, args, kwargs) -> None:
+    """Before every optimizer's step (torch's global hook): one never checked since it was built
+    or since it loaded a state dict is adopted now (guards.py, guard 3's backstop)."""
+    if optimizer not in guards.CHECKED:
+        guards.adopt(optimizer)
+
+
+register_optimizer_step_pre_hook(_first_step_check)
 
 
 class _AfterBackward(torch.autograd.Function):
@@ -139,19 +160,12 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                  param_dtype=mp.param_dtype, group_of=group_of,
                                  is_replicated=replicated_predicate(replicate, persist_below),
                                  device=device, param_init_fn=param_init_fn,
-                                 meter=self._wrap_meter, model=model_number)
+                                 meter=self._wrap_meter, model=model_number,
+                                 reshard_after_forward=policy.reshard_after_forward)
         cast_buffers(module, mp.buffer_dtype)
         guards.guard_parameters(self.units, module, stand_ins=self.policy.reshard_after_forward,
                                 groups=[groups.every] if stage else [])
         guards.adopt_live_optimizers()  # an optimizer built before wrapping: ours from now on
-        for i, unit in enumerate(self.units):
-            unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
-                                                  with_kwargs=True)
-            unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
-        self._pre_backward_hooks = [_weak_hook(self, ZeRO._pre_backward, i)  # on its outputs
-                                    for i in range(len(self.units))]
-        self._hooked: set[tuple[int, int]] = set()  # (unit, flat) with a post-backward hook
-        self._sync_requires_grad()
         # The event stream: ``listen(event, unit, *payload)`` for each event of the table below
         # ("step", "gather", "forward", "free", "backward_pass", "backward", "grad", "reduce",
         # "backward_done"). Meters and the flight record listen always; Join while it runs.
@@ -162,95 +176,128 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                 bucket_bytes=bucket_bytes, reduce_dtype=mp.reduce_dtype,
                                 find_unused=find_unused_parameters, every_group=groups.every,
                                 emit=self._emit)
-        self._pass = Pass.FORWARD  # see _start_backward
-        self._forward_open = self._accumulating = False  # see _pre_forward, _to_sharded
+        self.phase = Phase.IDLE
         self.require_backward_grad_sync = True  # DDP's flag: False is no_sync() (nanoGPT sets it)
-        for unit in self.units:     # at rest: the user parameters; the first forward gathers
-            unit.reshard_after_forward = policy.reshard_after_forward
-            self._put_back(unit)
+        self._install_hooks()
         self._meters = Meters(self.units, self._reducer)
         self.listeners += [self._meters.heard, comm.FLIGHT.heard]  # flight: where each rank is
         flight.arm()
 
+    def _install_hooks(self) -> None:
+        """Every hook the engine runs by, in one place: each unit's forward pre- and post-hooks
+        and event stream, a pre-backward hook (put on its outputs by each forward) and, on each
+        flat buffer's ``full`` (trainable or not yet: requires_grad follows the user), the
+        post-backward hook. Hooks hold the engine through weak references."""
+        for i, unit in enumerate(self.units):
+            unit.emit = self._emit
+            unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
+                                                  with_kwargs=True)
+            unit.module.register_forward_hook(_weak_hook(self, ZeRO._post_forward, i))
+            for j, flat in enumerate(unit.flats):
+                trainable = flat.full.requires_grad
+                flat.full.requires_grad_(True)  # a hook needs it; kept through later changes
+                flat.full.register_post_accumulate_grad_hook(
+                    _weak_hook(self, ZeRO._post_backward, i, j))
+                flat.full.requires_grad_(trainable)
+        self._pre_backward_hooks = [_weak_hook(self, ZeRO._pre_backward, i)
+                                    for i in range(len(self.units))]
+
     # --------------------------------------------------------------------------------- hooks
-    # The life of one stage-3 unit in one step, and what implements each event (unit.py:
-    # Unit; schedule.py: Gatherer, Reducer). Each emits its event (``_emit``).
+    # The life of one stage-3 unit in one step, what implements each event (unit.py: Unit and
+    # its state; schedule.py: Gatherer, Reducer), and the engine's phase. Each emits its event.
     #
-    #   pre-forward gather   all_gather shards -> full; the    _pre_forward: Gatherer.gather
-    #                        module's parameters become views  (Unit.unshard), Unit.to_unsharded
+    #   event                what happens                      code                  unit state
+    #   pre-forward gather   all_gather shards -> full; the    _pre_forward (the     UNSHARDED
+    #     (phase FORWARD)    module's parameters become views  root's: _root_pre_
+    #                                                          forward): Gatherer.
+    #                                                          gather, to_unsharded
     #   prefetch             the next unit's all_gather, async Gatherer.look_ahead
     #   forward              the module's own code, unchanged
-    #   post-forward free    free full; stand-ins, then (at    _post_forward: Unit.reshard,
-    #                        the root's end) the shards again  _to_sharded
-    #   pre-backward gather  all_gather again when the grad    _pre_backward: Gatherer.gather,
-    #                        reaches the unit's outputs        Unit.to_unsharded(fresh=False)
+    #   post-forward free    free full; stand-ins, then (at    _post_forward:        RESHARDED,
+    #                        the root's end) the shards again  reshard, to_sharded   SHARDED
+    #   pre-backward gather  all_gather again when the grad    _pre_backward:        UNSHARDED
+    #     (phase BACKWARD)   reaches the unit's outputs        gather, to_unsharded
     #   backward             autograd sums the views' grads into full.grad (one flat gradient)
-    #   post-backward reduce reduce_scatter(avg) full.grad ->  _post_backward (hooked by
-    #     + free             shard.grad; free full             _sync_requires_grad):
-    #                                                          Reducer.grad_ready, Unit.reshard
-    #   end of backward      queued by backward's first hook:  _finish_backward: Reducer.finish
-    #                        wait for every reduction; free
+    #   post-backward reduce reduce_scatter(avg) full.grad ->  _post_backward:       RESHARDED
+    #     + free             shard.grad; free full             grad_ready, reshard
+    #   end of backward      queued by backward's first hook:  _finish_backward:     SHARDED
+    #     (phase IDLE)       wait for every reduction          Reducer.finish,
+    #                                                          to_sharded
     #   optimizer step       the user's optimizer writes the shards in place (torch.optim)
-    #   re-gather            stages 1-2: every buffer, at the  _pre_forward (root):
-    #                        next forward                      Gatherer.refresh_stale
+    #   re-gather            stages 1-2: every buffer, at the  _root_pre_forward:
+    #                        next forward                      refresh_stale
     #
-    # A unit that got no gradient keeps ``grad=None``. Frozen buffers have no gradient hook; at
-    # stage 3 an identity on the unit's inputs (``_AfterBackward``) says when their unit's
-    # backward is over. Parameters kept whole (``replicate=``) live in REPLICATED buffers.
+    # Stages 0-2 never free: every unit shows its views from the root's pre-forward to its end,
+    # and again while its backward runs. A unit that got no gradient keeps ``grad=None``. Frozen
+    # buffers get no gradient; at stage 3 an identity on the unit's inputs (``_AfterBackward``)
+    # says when their unit's backward is over. ``replicate=``'s parameters: REPLICATED buffers.
     def _pre_forward(self, i: int, module, args, kwargs):
         unit = self.units[i]
-        is_root = unit.module is self.module
-        in_backward = self._pass is Pass.BACKWARD  # activation checkpointing recomputes
-        if is_root and not in_backward:
-            self._emit("step", unit, args, kwargs)  # Join announces this rank (join.py)
-            if self._forward_open:  # a forward never backpropagated (grad on, a unit alone)
-                self._to_sharded()
-            self._sync_requires_grad()
-            if not unit.reshard_after_forward:  # stages 0-2
-                self._gathers.refresh_stale()
-                for other in self.units:  # full views everywhere until backward ends
-                    other.to_unsharded()
+        recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
+        if unit.module is self.module and not recomputing:
+            args, kwargs = self._root_pre_forward(unit, args, kwargs)
+        elif self.phase is Phase.IDLE:
+            self.phase = Phase.FORWARD  # a unit called on its own
         self._gathers.gather(unit, Pass.FORWARD)
-        unit.to_unsharded()
+        if recomputing or unit.state is not UnitState.UNSHARDED:  # stages 0-2: the root's
+            unit.to_unsharded()
         self._emit("forward", unit)
-        if not in_backward:
+        if not recomputing:
             self._gathers.look_ahead(unit, Pass.FORWARD)
-        if is_root and self.mp.param_dtype is not None:
-            args, kwargs = cast_inputs((args, kwargs), self.mp.param_dtype)
         if unit.reshard_after_forward and torch.is_grad_enabled() and not all(
                 flat.requires_grad for flat in unit.flats):
             # Frozen buffers have no gradient hook to say when the unit's backward is over; an
             # identity on the unit's inputs does: its backward runs once the unit's has finished.
             leaves, spec = tree_flatten((args, kwargs))
-            leaves = _AfterBackward.apply(_weak_hook(self, ZeRO._release_frozen, i), *leaves)
+            leaves = _AfterBackward.apply(functools.partial(unit.reshard, frozen_only=True),
+                                          *leaves)
             args, kwargs = tree_unflatten(list(leaves), spec)
+        return args, kwargs
+
+    def _root_pre_forward(self, root: Unit, args, kwargs):
+        """The root's work before each forward (FSDP2's ``_root_pre_forward``): a forward never
+        backpropagated is over, each buffer's ``requires_grad`` follows its parameters', stages
+        0-2 re-gather what the user may have written and show every unit's views (a unit may
+        read another's parameter)."""
+        self._emit("step", root, args, kwargs)  # Join announces this rank (join.py)
+        if self.phase is Phase.FORWARD:  # the last forward's backward never came
+            for unit in self.units:
+                unit.to_sharded()
+        self.phase = Phase.ACCUMULATING if self.phase is Phase.ACCUMULATING else Phase.FORWARD
+        for flat in (f for unit in self.units for f in unit.flats):  # the user's, by parameter:
+            flat.requires_grad = any(p.requires_grad for p in flat.params)  # frozen one by one
+            flat.full.requires_grad_(flat.requires_grad)                    # or a module at once
+        if not root.reshard_after_forward:  # stages 0-2
+            self._gathers.refresh_stale()
+            for unit in self.units:
+                unit.to_unsharded()
+        if self.mp.param_dtype is not None:
+            args, kwargs = cast_inputs((args, kwargs), self.mp.param_dtype)
         return args, kwargs
 
     def _post_forward(self, i: int, module, args, output):
         unit = self.units[i]
-        is_root = unit.module is self.module
-        self._forward_open = True
-        if is_root:
-            self._gathers.order_recorded = True
         if torch.is_grad_enabled():
             outputs = [output] if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
             for t in outputs:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward_hooks[i])
-        # During backward (activation-checkpoint recomputation) the params are still needed.
-        if self._pass is not Pass.BACKWARD:
-            self._reshard(unit)  # stage 3: stand-ins, so another unit's read is named
-            if is_root:  # the user parameters again, whatever follows (stages 0-2: full kept
-                # for a backward; _pre_backward shows a unit's views again while it runs)
-                backward_may_follow = torch.is_grad_enabled() and not unit.reshard_after_forward
-                self._to_sharded(keep_current=backward_may_follow or self._accumulating)
-                self._forward_open = backward_may_follow
+        if self.phase is Phase.BACKWARD:  # a recomputation: backward still needs the views
+            return
+        unit.reshard()  # stage 3: stand-ins, so another unit's read is named
+        if unit.module is self.module:  # every unit at rest until its backward (if one comes)
+            self._gathers.order_recorded = True
+            for other in self.units:
+                other.to_sharded(keep_current=torch.is_grad_enabled()
+                                 or self.phase is Phase.ACCUMULATING)
+            if not torch.is_grad_enabled() and self.phase is Phase.FORWARD:
+                self.phase = Phase.IDLE  # no backward can follow
 
     def _pre_backward(self, i: int, grad) -> None:
         unit = self.units[i]
         self._start_backward()
         self._gathers.gather(unit, Pass.BACKWARD)
-        unit.to_unsharded(fresh=False)  # a checkpointed part recomputes from its attributes
+        unit.to_unsharded(fresh=False)  # the forward's views: a checkpointed part recomputes
         self._emit("backward", unit)
         self._gathers.look_ahead(unit, Pass.BACKWARD)
 
@@ -261,73 +308,33 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         self._emit("grad", unit)
         if self.require_backward_grad_sync:
             self._reducer.grad_ready(unit, unit.flats[j])
-        self._reshard(unit, j)
-
-    def _release_frozen(self, i: int) -> None:  # after the backward of a unit with frozen flats
-        self._reshard(self.units[i], frozen_only=True)
+        unit.reshard(j)
 
     def _start_backward(self) -> None:
-        if self._pass is not Pass.BACKWARD:
-            self._pass = Pass.BACKWARD
-            if self._accumulating:  # no_sync's local gradients: what the user cleared goes
-                self._settle_local_grads()
+        if self.phase is not Phase.BACKWARD:
+            if self.phase is Phase.ACCUMULATING:  # no_sync's local gradients: what the user
+                for unit in self.units:           # cleared is dropped (unit.py's [Note])
+                    unit.settle_local_grads()
+            self.phase = Phase.BACKWARD
             self._emit("backward_pass")
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _settle_local_grads(self) -> None:
-        """unit.py's [Note: local gradients], as a backward starts: the ranks agree on which
-        parameters were zeroed in place (one all-reduce of a byte each, stages 1-3), then each
-        unit drops what was cleared and takes its gradients back."""
-        zeroed = torch.tensor([z for unit in self.units for z in unit.zeroed_in_place()],
-                              dtype=torch.uint8)
-        if self.stage > 0 and len(zeroed):
-            comm.all_reduce(zeroed, "max", self.every_group, tag="no_sync: zeroed gradients")
-        at = 0
-        for unit in self.units:
-            n = len(list(unit.params()))
-            unit.settle_local_grads([bool(z) for z in zeroed[at:at + n]])
-            at += n
-
     def _finish_backward(self) -> None:
         """Runs once, when autograd has finished the whole backward pass: the reductions not
-        launched yet are launched, every one is waited for (schedule.py), stage 3 frees."""
-        self._reducer.finish(self.require_backward_grad_sync)
+        launched yet are launched, every one is waited for (schedule.py), every unit at rest
+        (after a no_sync backward its full buffers stay current for the next micro-batch)."""
+        sync = self.require_backward_grad_sync
+        self._reducer.finish(sync)
         self._emit("backward_done")
+        self.phase = Phase.IDLE if sync else Phase.ACCUMULATING
         for unit in self.units:
-            self._reshard(unit)
-        self._accumulating = not self.require_backward_grad_sync  # the step goes on
-        self._to_sharded()
-        if self._accumulating:  # what zero_grad clears must be gone: unit.py's [Note]
-            for unit in self.units:
+            unit.to_sharded(keep_current=not sync)
+            if not sync:  # what zero_grad clears must be gone: unit.py's [Note]
                 unit.show_local_grads()
-        self._pass = Pass.FORWARD
-
-    def _reshard(self, unit: Unit, j: int | None = None, frozen_only: bool = False) -> None:
-        """Unit.reshard (a no-op but at stage 3), and the event if it freed anything."""
-        if unit.reshard(j, frozen_only):
-            self._emit("free", unit)
 
     def _emit(self, event: str, unit: Unit | None = None, *payload) -> None:
         for listen in self.listeners:
             listen(event, unit, *payload)
-
-    def _to_sharded(self, keep_current: bool | None = None) -> None:
-        """The user parameters again; inside one step (after a no_sync backward) still current."""
-        for unit in self.units:
-            unit.to_sharded(keep_current=self._accumulating if keep_current is None
-                            else keep_current)
-        self._forward_open = False
-
-    def _sync_requires_grad(self) -> None:
-        """Each flat buffer follows its user parameters' ``requires_grad`` (frozen one by one or
-        a module at once); the first time one is trainable, ``full`` gets the post-backward hook."""
-        for i, unit in enumerate(self.units):
-            for j, flat in enumerate(unit.flats):
-                flat.sync_requires_grad()
-                if flat.requires_grad and (i, j) not in self._hooked:
-                    self._hooked.add((i, j))
-                    flat.full.register_post_accumulate_grad_hook(
-                        _weak_hook(self, ZeRO._post_backward, i, j))
 
     # -------------------------------------------------------------------------- public API
     def forward(self, *args, **kwargs):
@@ -369,16 +376,13 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         in the master dtype, under ``torch.no_grad()``. Edits are kept with ``writeback`` (stages
         0-2 keep them anyway: full and shards share storage); under mixed precision it shows the
         fp32 masters and writes back only an edited shard, never a rounded one."""
-        if self._forward_open:
-            self._to_sharded()
+        if self.phase is Phase.FORWARD:  # a forward never backpropagated is over
+            for unit in self.units:
+                unit.to_sharded()
+            self.phase = Phase.IDLE
         with full_state.gathered(self.units, writeback, lambda u: self._emit("gather", u),
-                                 self._put_back):
+                                 lambda u: u.to_sharded()):
             yield self.module
-
-    def _put_back(self, unit: Unit) -> None:
-        """What a unit shows between steps: its user parameters (stage 3 frees full)."""
-        self._reshard(unit)
-        unit.to_sharded()
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped module's state dict: original names, full tensors, on every rank; with

@@ -240,16 +240,10 @@ class FlatBuffer(Layout):
             return rows if self.spec is None else self.spec.wrap(rows, self.shapes[j])
         return DTensor(rows, self.dspecs[j], requires_grad=False)  # rows or a gradient's
 
-    def sync_requires_grad(self) -> None:
-        """``full`` needs a gradient when any user parameter does (theirs is the truth)."""
-        self.requires_grad = any(p.requires_grad for p in self.params)
-        self.full.requires_grad_(self.requires_grad)
-
     def mark_stale(self) -> None:
-        """The shards are the user's again (unit.py: ``to_sharded``), or were loaded: whatever
-        writes them next (an optimizer step, ``p.data.mul_``, a foreach op, a load) the next use
-        of ``full`` gathers it first. No version counter is trusted: a foreach op or a write
-        through ``.data`` on a DTensor moves none."""
+        """The shards were written outside a step (a load): the next use of ``full`` gathers it
+        first, as after unit.py's ``to_sharded``. No version counter is trusted: a foreach op
+        or a write through ``.data`` on a DTensor moves none."""
         self.current = False
 
     # ----------------------------------------------------------------------- full's storage
@@ -279,7 +273,7 @@ class FlatBuffer(Layout):
     def needs_gather(self) -> bool:
         """Must a gather refresh ``full`` before the module reads it? Never when full IS the
         parameters (stage 0 without a cast); else when it is freed, or when the shards were
-        handed back to the user since it was gathered (:meth:`mark_stale`)."""
+        handed back to the user since it was gathered (unit.py: ``to_sharded``)."""
         if self.mode is FlatMode.REPLICATED and self.shard is None:
             return False
         return not self.is_gathered or not self.current
@@ -306,12 +300,6 @@ class FlatBuffer(Layout):
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-
-    def free(self) -> None:
-        """Release ``full``'s storage (stage 3). Views saved by autograd keep pointing at the same
-        storage object, so the next gather refills them in place before backward."""
-        self.wait()
-        self.full.untyped_storage().resize_(0)
 
     # ------------------------------------------------------------------------------ gradients
     def take_grad(self, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,8 +21,8 @@ say what to do. Each is set up once, when the engine wraps a model; none costs a
    parameter holds its successor instead, in its place, with its state (state shaped for a
    full parameter keeps this rank's rows): whatever reads ``param_groups`` next (clipping,
    GradScaler, Join, a state dict) sees the model's parameters. A global step pre-hook
-   (:func:`adopt_optimizer`) checks again at each optimizer's first step, and after it loads
-   a state dict: the backstop.
+   (engine.py's, calling :func:`adopt_optimizer`) checks again at each optimizer's first step,
+   and after it loads a state dict: the backstop.
 """
 from __future__ import annotations
 
@@ -31,12 +31,11 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten
 
 from minishard.verdicts import raise_together
 
-__all__ = ["Released", "guard_parameters", "adopt_optimizer", "adopt_live_optimizers", "whole_state", "refuse_deepcopy"]
+__all__ = ["Released", "guard_parameters", "adopt_optimizer", "adopt", "CHECKED", "adopt_live_optimizers", "whole_state", "refuse_deepcopy"]
 
 
 class Released(torch.Tensor):
@@ -189,14 +188,14 @@ def _refuse_direct_use(name: str, unit: str):
 
 
 # ------------------------------------------------------------------- global optimizer hook
-_checked_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # adopted, not loaded since
 
 
-def adopt_optimizer(optimizer, args, kwargs) -> None:
-    """Guard 3, before each optimizer step: an optimizer not seen since the last wrap or since
-    it loaded a state dict is checked once, and adopted."""
-    if optimizer not in _checked_optimizers:
-        _adopt(optimizer)
+def adopt_optimizer(optimizer) -> None:
+    """Guard 3 for one optimizer, unless it is checked already: before a step (the backstop
+    engine.py hooks into every optimizer's step) and before its state is exported."""
+    if optimizer not in CHECKED:
+        adopt(optimizer)
 
 
 def adopt_live_optimizers() -> None:
@@ -208,10 +207,10 @@ def adopt_live_optimizers() -> None:
     for obj in gc.get_objects():
         if issubclass(type(obj), torch.optim.Optimizer) and any(
                 hasattr(p, "_minishard_successor") for g in obj.param_groups for p in g["params"]):
-            _adopt(obj)
+            adopt(obj)
 
 
-def _adopt(optimizer) -> None:
+def adopt(optimizer) -> None:
     """Each parameter the engine replaced gives way to its successor (the user parameter the
     model uses), with its state; state shaped for a whole parameter keeps this rank's rows;
     state of another rank's rows (a shard's state dict loaded on the wrong rank) raises, on
@@ -235,7 +234,7 @@ def _adopt(optimizer) -> None:
             problem = _keep_state_rows(optimizer.state.get(p), p) or problem
     if not getattr(optimizer, "_minishard_hooked", False):
         optimizer._minishard_hooked = True  # a state dict loaded later is checked again
-        optimizer.register_load_state_dict_post_hook(_checked_optimizers.discard)
+        optimizer.register_load_state_dict_post_hook(CHECKED.discard)
         optimizer.register_state_dict_post_hook(_mark_state_rows)
     raise_together(RuntimeError(f"{type(optimizer).__name__}.load_state_dict: {problem}")
                    if problem else None, list(groups), "optimizer state: whose rows",
@@ -243,7 +242,7 @@ def _adopt(optimizer) -> None:
                                 "state another rank saved (its error names it); no rank steps "
                                 "with it. Load each rank's own file, or a full optimizer state "
                                 "(minishard.full_optimizer_state_dict) or save_checkpoint's."))
-    _checked_optimizers.add(optimizer)
+    CHECKED.add(optimizer)
 
 
 def _mark_state_rows(optimizer, state_dict: dict) -> None:
@@ -277,9 +276,6 @@ def _keep_state_rows(state: dict | None, p: torch.Tensor) -> str | None:
             return _check_rows(value, flat, j, f"state {key!r} of a parameter of shape "
                                                f"{tuple(flat.shapes[j])} ({flat.name})")
     return None
-
-
-register_optimizer_step_pre_hook(adopt_optimizer)
 
 
 def refuse_deepcopy(engine, memo=None):

@@ -89,6 +89,14 @@ class Spec:
         """``rows`` (this rank's, a view: no copy) as the DTensor of global ``shape``."""
         return DTensor(rows, self.of(shape, rows.dtype), requires_grad=False)
 
+    def whole(self, tensor: torch.Tensor) -> DTensor:
+        """``tensor``, which this rank holds whole (no_sync's local gradient of a parameter:
+        each rank's own, as DDP's ``p.grad``), as a DTensor Replicate()d on every mesh dim."""
+        stride = tensor.stride()
+        spec = DTensorSpec(self.mesh, (Replicate(),) * self.mesh.ndim,
+                           TensorMeta(tensor.shape, stride, tensor.dtype))
+        return DTensor(tensor, spec, requires_grad=False)
+
 
 # torch's functional collectives that DTensor calls -> (comm's op, is the input 1/N of it)
 _FUNCOL = {"all_reduce": ("all_reduce", False), "all_gather_single": ("all_gather", True),

@@ -1,29 +1,36 @@
-"""A unit: one module, the flat buffers of the parameters it owns, and the work done on them.
+"""A unit: one module, the flat buffers of the parameters it owns, and its state.
 
 engine.py says WHEN each unit is gathered, resharded and reduced; this file says WHAT that does to
-one unit; flat.py says HOW the bytes move. A unit's work, by event:
+one unit; flat.py says HOW the bytes move. A unit's state (:class:`UnitState`) is what its module
+shows, and so what its memory must hold; four verbs, FSDP2's, are the only way to change it::
+
+              to_unsharded()                      reshard()   (stage 3: full freed)
+    SHARDED ──────────────────▶ UNSHARDED ─────────────────▶ RESHARDED
+       ▲    (after unshard():       │                             │
+       │    full gathered)          │ to_sharded()                │ to_sharded()
+       └────────────────────────────┴─────────────────────────────┘
 
     unshard        every flat buffer that needs it (``FlatBuffer.needs_gather``) all-gathers
-                   its shards into ``full``
-    to_unsharded   every place a parameter appears now holds its view of ``full``
-    to_sharded     every place holds the user parameter again: this rank's shard of it (the
-                   whole parameter at stage 0), what ``named_parameters()`` gives between steps
-    reshard        (stage 3) ``full``'s storage is freed, and the places show stand-ins until
-                   ``to_sharded``
-    gradients      the hook engine.py puts on each trainable buffer's ``full`` fires when autograd
-                   has summed the views' gradients into ``full.grad``: the engine reduces it
+                   its shards into ``full`` (the state does not change: the module shows the
+                   views only at ``to_unsharded``)
+    to_unsharded   every place a parameter appears holds its view of ``full``
+    reshard        (stage 3) ``full``'s storage is freed; the places show stand-ins
+    to_sharded     every place holds the user parameter again (this rank's shard of it; the
+                   whole parameter at stage 0): the unit at rest, as ``named_parameters()``
+                   shows it between steps; stage 3 frees ``full``
 
-A place is the module's own ``_parameters`` entry: it holds the user parameter at rest and a
-view of ``full`` (a plain tensor, as FSDP1 shows its original parameters) while the unit computes.
-
-A parameter may appear in several places: tied weights (``head.weight is emb.weight``) and one
-module object reachable by two paths. It lives ONCE in a flat buffer; each appearance is a
-:class:`Place`, and :class:`Param` groups them: ``unit.params()`` is the one way to walk a unit's
-parameters and their places (state dicts list every place, as ``module.state_dict()`` does).
+Each verb is idempotent on the state it sets. A place is the module's own ``_parameters``
+entry. A parameter may appear in several places: tied weights (``head.weight is emb.weight``)
+and one module object reachable by two paths. It lives ONCE in a flat buffer; each appearance is
+a :class:`Place`, and :class:`Param` groups them: ``unit.params()`` is the one way to walk a
+unit's parameters and their places (state dicts list every place, as ``module.state_dict()``
+does). The hook engine.py puts on each buffer's ``full`` fires when autograd has summed the
+views' gradients into ``full.grad``: the engine reduces it.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Iterator
 
 import torch
@@ -32,7 +39,7 @@ from torch import nn
 from minishard.zero.params import local
 from minishard.zero.flat import FlatBuffer, FlatMode, gather_params
 
-__all__ = ["Place", "Param", "Unit", "is_inside"]
+__all__ = ["Place", "Param", "Unit", "UnitState", "is_inside"]
 
 
 @dataclasses.dataclass
@@ -50,9 +57,9 @@ class Param:
     index: int
     places: list[Place]
     stand_in: torch.Tensor | None = None  # stage 3: shown once a forward is done with it
-    local_grad: torch.Tensor | None = None  # after a no_sync backward: what ``.grad`` shows
-    local_nonzero: bool = False             # ... whether it showed anything but zeros
-    local_ours: bool = False                # ... whether the engine put it there
+    local_grad: torch.Tensor | None = None  # after a no_sync backward: what ``.grad`` shows,
+    local_ours: bool = False                # whether the engine put it there, and the NaN
+    local_nan: torch.Tensor | None = None   # it holds under mixed precision
 
     @property
     def user(self) -> torch.nn.Parameter:
@@ -80,13 +87,28 @@ def is_inside(name: str, scope: str) -> bool:
     return scope == "" or name == scope or name.startswith(scope + ".")
 
 
-class Unit:
-    """One module, the flat buffers of the parameters it owns, and the work done on them."""
+class UnitState(enum.Enum):
+    """What a unit's module shows, and so what its memory holds (FSDP2's ``ShardedState``)."""
+    SHARDED = "sharded"      # the user parameters; full freed (stage 3), or kept and gathered
+                             # again before use once the user may have written the shards
+    UNSHARDED = "unsharded"  # views of full, gathered and current: a forward or backward runs
+    RESHARDED = "resharded"  # stage 3, done with its forward or backward: full freed, stand-ins
+                             # that name the unit (guards.Released) until to_sharded()
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+
+def _ignore(*event) -> None:  # a unit's event stream before the engine listens (engine.py)
+    return None
+
+
+class Unit:
+    """One module, the flat buffers of the parameters it owns, its state and its verbs."""
+
+    def __init__(self, name: str, module: nn.Module, reshard_after_forward: bool) -> None:
         self.name, self.module = name, module
         self.flats: list[FlatBuffer] = []
-        self.reshard_after_forward = False  # stage 3 (FSDP2's name): free full after each use
+        self.reshard_after_forward = reshard_after_forward  # stage 3 (FSDP2's name)
+        self.state = UnitState.SHARDED  # build.py leaves every unit at rest
+        self.emit = _ignore  # the engine's event stream: "free" when full is freed
         self._params: list[list[Param]] = []        # [flat][param]
         self._shown: list[list[torch.Tensor]] = []  # [flat][param] -> its unsharded view
 
@@ -134,22 +156,28 @@ class Unit:
 
     # ---------------------------------------------------------------- what the places hold
     def to_unsharded(self, fresh: bool = True) -> None:
-        """Every place holds its parameter's view of ``full``: new views (``fresh``, a forward),
-        or those the last forward made (a recomputation in backward then joins its graph)."""
-        if fresh:
+        """UNSHARDED: every place holds its parameter's view of ``full`` (gathered: unshard()
+        first). New views (``fresh``: a forward), or those the last forward made (a
+        recomputation in backward then joins its graph; nothing to do if already shown)."""
+        if not fresh and self.state is UnitState.UNSHARDED:
+            return
+        if fresh or not self._shown:
             self._shown = [flat.unsharded_views() for flat in self.flats]
         for flat, views in zip(self.flats, self._shown):
             self.set_places(flat, views)
+        self.state = UnitState.UNSHARDED
 
     def to_sharded(self, keep_current: bool = False) -> None:
-        """Every place holds its user parameter again (between steps): from now on the user
-        may write the shards, however spelled, so ``full`` is stale until the next gather.
-        ``keep_current``: between the micro-batches of one step (after a ``no_sync``
-        backward), whose gradients are all taken at the same parameters, as FSDP1 keeps them."""
+        """SHARDED, the unit at rest: stage 3 frees ``full``; every place holds its user
+        parameter. From then on the user may write the shards, however spelled, so ``full`` is
+        stale until gathered again (no version counter sees every write); ``keep_current``:
+        between the forward and backward of one step, or its micro-batches (``no_sync``)."""
+        self.reshard()
         for flat in self.flats:
             self.set_places(flat, flat.params)
             if not keep_current:
-                flat.mark_stale()
+                flat.current = False  # the next use gathers (flat.py: needs_gather)
+        self.state = UnitState.SHARDED
 
     def set_places(self, flat: FlatBuffer, values: list[torch.Tensor]) -> None:
         """Point every place of ``flat``'s parameter j at ``values[j]`` (the module's own
@@ -161,68 +189,68 @@ class Unit:
     # ------------------------------------------------------- no_sync's local gradients
     # [Note: local gradients] Under no_sync each buffer's FULL gradient accumulates in
     # ``full.grad``, this rank's alone. ``zero_grad`` clears the user parameters' ``.grad``, never
-    # ``full.grad``; so that what it clears is gone, as under DDP, each ``.grad`` shows this
-    # rank's rows of the local gradient meanwhile (stage 0: all of it, a view, exactly DDP's), and
-    # when the next backward starts a ``.grad`` set to None or replaced drops its parameter's part
-    # of ``full.grad``; one zeroed in place too (``zero_grad(set_to_none=False)``): a rank whose
-    # rows of it are empty or zero cannot see that, so the ranks agree first (engine.py).
+    # ``full.grad``; so that what it clears is gone, as under DDP, each ``.grad`` shows its whole
+    # local gradient meanwhile, as DDP's does: a view of its region of ``full.grad`` (at stages
+    # 1-3 a DTensor Replicate()d: each rank holds its own), so zeroing or scaling it in place acts
+    # on the gradient itself; when the next backward starts, a ``.grad`` set to None or replaced
+    # drops that region. Under mixed precision ``full.grad`` has the compute dtype and ``.grad``
+    # must have the master's: it shows NaN (one element, nothing else held), which zeroing or
+    # setting to None discards the same way, and which poisons a step taken without a reduction.
     def show_local_grads(self) -> None:
-        """After a no_sync backward: each trainable parameter without a ``.grad`` shows its rows
-        of ``full.grad`` (a view; a copy in the master dtype under mixed precision, whose full
-        gradient is in another), and each remembers what it shows."""
+        """After a no_sync backward: each trainable parameter without a ``.grad`` shows its local
+        gradient, and remembers what it shows."""
         for flat in self.flats:
             grad = flat.full.grad
             for param in self.params(flat):
                 p = param.user
                 if grad is None or not p.requires_grad:
                     continue
-                param.local_ours = p.grad is None  # else the user's, kept (as DDP adds to it)
-                if param.local_ours:
-                    rows = flat.grad_rows(grad, param.index)
-                    p.grad = flat.as_user(param.index, rows.to(flat.dtype))
+                param.local_ours, param.local_nan = p.grad is None, None  # else the user's:
+                if param.local_ours:                                      # DDP adds into it
+                    whole = flat.param_in(grad, param.index)
+                    if whole.dtype != flat.dtype:
+                        param.local_nan = torch.full((), float("nan"), dtype=flat.dtype,
+                                                     device=whole.device)
+                        whole = param.local_nan.expand(whole.shape)
+                    p.grad = flat.spec.whole(whole) if flat.spec is not None else whole
                 param.local_grad = p.grad
-                param.local_nonzero = bool(local(p.grad).any())
 
-    def zeroed_in_place(self) -> list[bool]:
-        """For each parameter (``params()`` order): were its shown rows, not all zero when shown,
-        zeroed since? (What stage 0 shows without a cast IS the gradient: nothing to do.)"""
-        out = []
+    def settle_local_grads(self) -> None:
+        """A backward starts: drop the region of ``full.grad`` of each parameter whose ``.grad``
+        the user cleared since :meth:`show_local_grads` (set to None or replaced; the NaN shown
+        under mixed precision zeroed), and the ``.grad`` shown go back to None (the reduction
+        delivers the gradient)."""
         for param in self.params():
-            shown, flat = param.local_grad, param.flat
-            is_the_gradient = flat.chunks == 1 and flat.dtype == flat.param_dtype
-            out.append(shown is not None and not is_the_gradient and param.local_nonzero
-                       and param.user.grad is shown and not bool(local(shown).any()))
-        return out
-
-    def settle_local_grads(self, zeroed: list[bool]) -> None:
-        """A backward starts: drop from ``full.grad`` each part whose ``.grad`` the user cleared
-        since :meth:`show_local_grads` (set to None, replaced, or ``zeroed`` on some rank), and
-        the ``.grad`` shown go back to None (the reduction delivers the gradient)."""
-        for param, zero in zip(self.params(), zeroed):
             shown, p, grad = param.local_grad, param.user, param.flat.full.grad
             if shown is None:
                 continue
-            if grad is not None and (p.grad is not shown or zero):
+            zeroed = param.local_nan is not None and not bool(param.local_nan.isnan())
+            if grad is not None and (p.grad is not shown or zeroed):
                 param.flat.region(grad, param.index).zero_()
             param.local_grad = None
             if param.local_ours and p.grad is shown:
                 p.grad = None
 
     # ----------------------------------------------------------------------------- reshard
-    def reshard(self, j: int | None = None, frozen_only: bool = False) -> bool:
-        """Stage 3: free ``full``'s storage of every buffer (or of buffer ``j``, or of the frozen
-        ones: they have no gradient hook to say their backward is done) and show the stand-ins
-        (guards.Released) until :meth:`to_sharded`; True if any was freed. Stages 0-2: a no-op."""
-        freed = False
+    def reshard(self, j: int | None = None, frozen_only: bool = False) -> None:
+        """Stage 3: free ``full`` of every buffer (or of buffer ``j``, or of the frozen ones:
+        they have no gradient hook to say their backward is done), landing a gather in flight
+        first, and show the stand-ins (guards.Released); RESHARDED once none is gathered. A
+        REPLICATED buffer is never freed: its places keep their views. Stages 0-2: nothing."""
         if not self.reshard_after_forward:
-            return freed
+            return
+        freed = False
         for k, flat in enumerate(self.flats):
-            if (j is not None and k != j) or (frozen_only and flat.requires_grad) \
-                    or flat.mode is FlatMode.REPLICATED:  # never freed: the places keep their views
+            if flat.mode is not FlatMode.OWN or (j is not None and k != j) or (
+                    frozen_only and flat.requires_grad):
                 continue
-            if flat.mode is FlatMode.OWN and flat.is_gathered:
-                flat.free()
+            if flat.is_gathered:
+                flat.wait()
+                flat.full.untyped_storage().resize_(0)
                 freed = True
             self.set_places(flat, [p.stand_in if p.stand_in is not None else p.user
                                    for p in self._params[k]])
-        return freed
+        if not any(f.is_gathered for f in self.flats if f.mode is FlatMode.OWN):
+            self.state = UnitState.RESHARDED
+        if freed:
+            self.emit("free", self)
