@@ -402,11 +402,10 @@ MUTANTS = {
     "open_forward_never_ended": (
         "a forward whose backward never ran (grad enabled, or one unit called alone) keeps its "
         "gathered parameters marked current: the step after it is never gathered",
-        [("minishard/zero/engine.py", "            if self._forward_open:  # a forward never "
-          "backpropagated (grad on, a unit alone)\n                self._to_sharded()",
-          "            pass"),
-         ("minishard/zero/engine.py", "        if self._forward_open:\n            self._to_sharded()",
-          "        pass")],
+        [("minishard/zero/engine.py", "        if self.phase is Phase.FORWARD:  # the last forward's "
+          "backward never came", "        if False:"),
+         ("minishard/zero/engine.py", "        if self.phase is Phase.FORWARD:  # a forward never "
+          "backpropagated is over", "        if False:")],
         ["tests/test_writes.py::test_a_forward_never_backpropagated_leaves_no_stale_parameters"]),
     "joined_rank_keeps_its_no_sync_gradient": (
         "a rank that joins after an unpaired no_sync micro-batch sends that gradient with the "
@@ -477,14 +476,15 @@ MUTANTS = {
     "no_grad_forward_leaves_views": (
         "after a torch.no_grad() forward at stages 0-2 the module keeps plain full tensors "
         "(the no-grad case dropped from the reshard: a later optimizer steps them)",
-        [("minishard/zero/engine.py", "            if is_root:  # the user parameters again, whatever follows",
-          "            if is_root and torch.is_grad_enabled():  # the user parameters again, whatever follows")],
+        [("minishard/zero/engine.py", "        if unit.module is self.module:  # every unit at rest",
+          "        if unit.module is self.module and torch.is_grad_enabled():  #")],
         ["tests/test_sequences.py"]),
     "grad_forward_without_backward_leaves_views": (
         "a grad-enabled forward never backpropagated leaves plain tensors in the module at "
         "stages 0-2 (requires_grad_ and building an optimizer raise; a load reads stale values)",
-        [("minishard/zero/engine.py", "            if is_root:  # the user parameters again, whatever follows",
-          "            if is_root and (unit.reshard_after_forward or not torch.is_grad_enabled()):  #")],
+        [("minishard/zero/engine.py", "        if unit.module is self.module:  # every unit at rest",
+          "        if unit.module is self.module and (unit.reshard_after_forward\n"
+          "                                           or not torch.is_grad_enabled()):  #")],
         ["tests/test_sequences.py"]),
     "planner_all_reduce_at_half_price": (
         "the planner prices a ring all-reduce at an all-gather's bytes, (N-1)/N S, not 2(N-1)/N S",
