@@ -447,7 +447,7 @@ MUTANTS = {
         ["tests/test_foreign_shards.py"]),
     "overwrite_deletes_the_users_files": (
         "save_checkpoint(overwrite=True) deletes every file in the directory it did not write",
-        [("minishard/checkpoint/state.py",
+        [("minishard/checkpoint/files.py",
           "    if not os.path.isdir(source) or not os.path.isdir(path):", "    if True:")],
         ["tests/test_state.py::test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint"]),
     "latest_checkpoint_takes_the_previous": (

@@ -33,7 +33,7 @@ __all__ = ["CheckpointError", "FORMAT_VERSION", "META", "checkpoint_path", "shar
            "saved_rows", "saved_piece", "atomic_save", "read_checked", "check_checkpoint", "latest_checkpoint",
            "DCP_METADATA", "SafeDCPReader", "check_dcp", "DCP_DIGESTS", "file_sha256",
            "dcp_data_files", "check_dcp_digests", "dcp_extra_record", "EXTRA", "check_loadable",
-           "own_file"]
+           "own_file", "move_users_files", "path_first"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's: written last, atomically, by DCP
 DCP_DIGESTS = "minishard-sha256.pt"  # beside a DCP save: {data file: sha256}; DCP ignores it
@@ -250,6 +250,26 @@ def committed(path: str) -> str:
         except CheckpointError:
             continue
     return path
+
+
+def move_users_files(source: str, path: str) -> None:
+    """Every entry of ``source`` that no save wrote goes back into ``path`` (one rename each),
+    unless ``path`` holds that name already (state.py: [Note: overwrite]). Not collective."""
+    if not os.path.isdir(source) or not os.path.isdir(path):
+        return
+    for name in os.listdir(source):
+        if not own_file(name) and not os.path.exists(os.path.join(path, name)):
+            os.rename(os.path.join(source, name), os.path.join(path, name))
+
+
+def path_first(verb: str, path, model) -> str:
+    """``path`` normalised; the arguments in torch.save's order (the model first) refused with
+    the order this function takes, before anything collective."""
+    if isinstance(path, torch.nn.Module) or not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{verb}(path, model, optimizer): the directory comes first, then the "
+                        f"model; got {type(path).__name__} and {type(model).__name__} (torch.save "
+                        f"takes the object first; {verb} takes the path first)")
+    return os.path.normpath(os.fspath(path))
 
 
 def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str | None:

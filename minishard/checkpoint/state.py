@@ -102,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     """
     if format not in ("minishard", "dcp"):
         raise ValueError(f"save_checkpoint: format must be 'minishard' or 'dcp', got {format!r}")
-    path = _path_first("save_checkpoint", path, model)
+    path = checkpoint_files.path_first("save_checkpoint", path, model)
     if format == "dcp":
         init_optimizer_state(optimizer)
     extras = _gather_extras(extra, model.every_group)
@@ -132,12 +132,11 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
 
 
 # [Note: overwrite] Replacing a checkpoint never leaves none: the new one is written into
-# ``path.saving``; once complete, rank 0 renames ``path`` -> ``path.previous`` and
-# ``path.saving`` -> ``path``, moves back into ``path`` whatever ``path.previous`` holds that no
-# save wrote (files.own_file: the user's ckpt.pt, notes), then deletes ``path.previous``. At every
-# moment one complete checkpoint is where ``files.committed(path)`` looks (path, else
-# path.saving, else path.previous): a crash leaves the previous or the new one loadable, never a
-# mix, never none; the next save finishes what the crash left, the user's files moved back first.
+# ``path.saving``; once complete, rank 0 renames ``path`` -> ``path.previous`` and ``path.saving``
+# -> ``path``, moves back what no save wrote (files.own_file: the user's ckpt.pt, notes), then
+# deletes ``path.previous``. At every moment one complete checkpoint is where files.committed
+# looks (path, else path.saving, else path.previous): a crash leaves the previous or the new one
+# loadable, never a mix, never none; the next save finishes what it left, the user's files first.
 def _make_room(path: str, group, overwrite: bool) -> str:
     """Where to write: ``path`` when it holds no checkpoint of either format; with
     ``overwrite``, ``path.saving`` beside the one it holds; else refused. Rank 0 first finishes
@@ -149,7 +148,7 @@ def _make_room(path: str, group, overwrite: bool) -> str:
         found = checkpoint_files.committed(path)
         if not os.path.exists(path) and found != path:  # crashed between _swap_in's renames
             os.rename(found, path)
-        _move_users_files(path + PREVIOUS, path)
+        checkpoint_files.move_users_files(path + PREVIOUS, path)
         for leftover in (path + SAVING, path + PREVIOUS) if holds() and overwrite else ():
             if os.path.exists(leftover):
                 shutil.rmtree(leftover)
@@ -168,29 +167,9 @@ def _swap_in(into: str, path: str, group) -> None:
     if comm.group_rank(group) == 0:
         os.rename(path, path + PREVIOUS)  # a crash here: files.committed finds path.saving
         os.rename(into, path)
-        _move_users_files(path + PREVIOUS, path)
+        checkpoint_files.move_users_files(path + PREVIOUS, path)
         shutil.rmtree(path + PREVIOUS)
     comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: swapped in")
-
-
-def _move_users_files(source: str, path: str) -> None:
-    """Every entry of ``source`` that no save wrote goes back into ``path`` (one rename each),
-    unless ``path`` holds that name already."""
-    if not os.path.isdir(source) or not os.path.isdir(path):
-        return
-    for name in os.listdir(source):
-        if not checkpoint_files.own_file(name) and not os.path.exists(os.path.join(path, name)):
-            os.rename(os.path.join(source, name), os.path.join(path, name))
-
-
-def _path_first(verb: str, path, model) -> str:
-    """``path`` normalised; the arguments in torch.save's order (the model first) refused with
-    the order this function takes, before anything collective."""
-    if isinstance(path, torch.nn.Module) or not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{verb}(path, model, optimizer): the directory comes first, then the "
-                        f"model; got {type(path).__name__} and {type(model).__name__} (torch.save "
-                        f"takes the object first; {verb} takes the path first)")
-    return os.path.normpath(os.fspath(path))
 
 
 def _gather_extras(extra, every) -> list:
@@ -395,7 +374,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     ``format="dcp"``) is read the same way, by DCP (dcp.py); the metadata returned is
     then ``{"format": "dcp", "param_groups": [the saved groups]}``.
     """
-    path = checkpoint_files.committed(_path_first("load_checkpoint", path, model))
+    path = checkpoint_files.committed(checkpoint_files.path_first("load_checkpoint", path, model))
     group = model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)

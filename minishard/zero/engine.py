@@ -29,14 +29,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import weakref
 
 import torch
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from minishard import comm
 from minishard.checkpoint import full_state
@@ -96,21 +95,6 @@ def _first_step_check(optimizer, args, kwargs) -> None:
 
 
 register_optimizer_step_pre_hook(_first_step_check)
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward calls ``callback``: autograd runs it once the
-    gradient has flowed through the whole unit down to its inputs."""
-
-    @staticmethod
-    def forward(ctx, callback, *inputs):
-        ctx.callback = callback
-        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in inputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 class ZeRO(trace.Traced, nn.Module, Joinable):
@@ -184,10 +168,9 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         flight.arm()
 
     def _install_hooks(self) -> None:
-        """Every hook the engine runs by, in one place: each unit's forward pre- and post-hooks
-        and event stream, a pre-backward hook (put on its outputs by each forward) and, on each
-        flat buffer's ``full`` (trainable or not yet: requires_grad follows the user), the
-        post-backward hook. Hooks hold the engine through weak references."""
+        """Every hook, in one place: each unit's forward pre- and post-hooks and event stream, its
+        pre-backward hook (each forward puts it on the outputs) and, on each buffer's ``full``
+        (frozen too: it may be thawed), the post-backward hook. Weak references to the engine."""
         for i, unit in enumerate(self.units):
             unit.emit = self._emit
             unit.module.register_forward_pre_hook(_weak_hook(self, ZeRO._pre_forward, i),
@@ -203,34 +186,30 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
                                     for i in range(len(self.units))]
 
     # --------------------------------------------------------------------------------- hooks
-    # The life of one stage-3 unit in one step, what implements each event (unit.py: Unit and
-    # its state; schedule.py: Gatherer, Reducer), and the engine's phase. Each emits its event.
+    # The life of one stage-3 unit in one step: each event, the code that runs it (unit.py: the
+    # unit's verbs; schedule.py: Gatherer, Reducer) and the unit's state after it (unit.py).
     #
-    #   event                what happens                      code                  unit state
-    #   pre-forward gather   all_gather shards -> full; the    _pre_forward (the     UNSHARDED
-    #     (phase FORWARD)    module's parameters become views  root's: _root_pre_
-    #                                                          forward): Gatherer.
-    #                                                          gather, to_unsharded
-    #   prefetch             the next unit's all_gather, async Gatherer.look_ahead
-    #   forward              the module's own code, unchanged
-    #   post-forward free    free full; stand-ins, then (at    _post_forward:        RESHARDED,
-    #                        the root's end) the shards again  reshard, to_sharded   SHARDED
-    #   pre-backward gather  all_gather again when the grad    _pre_backward:        UNSHARDED
-    #     (phase BACKWARD)   reaches the unit's outputs        gather, to_unsharded
-    #   backward             autograd sums the views' grads into full.grad (one flat gradient)
-    #   post-backward reduce reduce_scatter(avg) full.grad ->  _post_backward:       RESHARDED
-    #     + free             shard.grad; free full             grad_ready, reshard
-    #   end of backward      queued by backward's first hook:  _finish_backward:     SHARDED
-    #     (phase IDLE)       wait for every reduction          Reducer.finish,
-    #                                                          to_sharded
-    #   optimizer step       the user's optimizer writes the shards in place (torch.optim)
-    #   re-gather            stages 1-2: every buffer, at the  _root_pre_forward:
-    #                        next forward                      refresh_stale
+    #   pre-forward gather  all_gather shards -> full; the  _pre_forward (the root's   UNSHARDED
+    #                       module's parameters are views   also _root_pre_forward):
+    #                                                       gather, to_unsharded
+    #   prefetch            the next unit's, async          Gatherer.look_ahead
+    #   forward             the module's own code, unchanged
+    #   post-forward free   free full, stand-ins; at the    _post_forward: reshard,   RESHARDED
+    #                       root's end every unit at rest   to_sharded                SHARDED
+    #   pre-backward gather all_gather again when the grad  _pre_backward: gather,    UNSHARDED
+    #                       reaches the unit's outputs      to_unsharded(fresh=False)
+    #   backward            autograd sums the views' gradients into full.grad (one flat gradient)
+    #   post-backward       reduce_scatter(avg) full.grad   _post_backward:           RESHARDED
+    #                       -> shard.grad; free full        grad_ready, reshard
+    #   end of backward     wait for every reduction        _finish_backward          SHARDED
+    #   optimizer step      the user's optimizer writes the shards in place (torch.optim)
+    #   re-gather           stages 1-2: at the next forward _root_pre_forward
     #
-    # Stages 0-2 never free: every unit shows its views from the root's pre-forward to its end,
-    # and again while its backward runs. A unit that got no gradient keeps ``grad=None``. Frozen
-    # buffers get no gradient; at stage 3 an identity on the unit's inputs (``_AfterBackward``)
-    # says when their unit's backward is over. ``replicate=``'s parameters: REPLICATED buffers.
+    # The engine's phase (Phase) is FORWARD from a step's first forward, BACKWARD while autograd
+    # runs, then IDLE (ACCUMULATING after a no_sync backward). Stages 0-2 never free: every unit
+    # shows its views from the root's pre-forward to its end, and again in its backward. A unit
+    # that got no gradient keeps ``grad=None``. Frozen buffers get none; at stage 3 an identity on
+    # the unit's inputs (unit.py: ``_AfterBackward``) says when their unit's backward is over.
     def _pre_forward(self, i: int, module, args, kwargs):
         unit = self.units[i]
         recomputing = self.phase is Phase.BACKWARD  # activation checkpointing
@@ -246,12 +225,7 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             self._gathers.look_ahead(unit, Pass.FORWARD)
         if unit.reshard_after_forward and torch.is_grad_enabled() and not all(
                 flat.requires_grad for flat in unit.flats):
-            # Frozen buffers have no gradient hook to say when the unit's backward is over; an
-            # identity on the unit's inputs does: its backward runs once the unit's has finished.
-            leaves, spec = tree_flatten((args, kwargs))
-            leaves = _AfterBackward.apply(functools.partial(unit.reshard, frozen_only=True),
-                                          *leaves)
-            args, kwargs = tree_unflatten(list(leaves), spec)
+            args, kwargs = unit.free_frozen_after_backward(args, kwargs)
         return args, kwargs
 
     def _root_pre_forward(self, root: Unit, args, kwargs):
@@ -356,9 +330,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
     def no_sync(self):
         """Accumulate gradients locally, with no gradient communication: each unit keeps its
         FULL gradient until the first backward outside the block reduces the sum (stage 3
-        still all-gathers the parameters it freed, as FSDP does). Meanwhile ``p.grad`` shows
-        this rank's rows of the local gradient (stage 0: all of it, as DDP); ``zero_grad``
-        discards it, as under DDP (unit.py: [Note: local gradients])."""
+        still all-gathers the parameters it freed, as FSDP does). Meanwhile ``p.grad`` shows the
+        local gradient, as DDP's; ``zero_grad`` discards it (unit.py: [Note: local gradients])."""
         previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Iterator
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from minishard.zero.params import local
 from minishard.zero.flat import FlatBuffer, FlatMode, gather_params
@@ -85,6 +87,21 @@ class Param:
 def is_inside(name: str, scope: str) -> bool:
     """Is module path ``name`` the module ``scope`` or inside it? ("" is the root: everything.)"""
     return scope == "" or name == scope or name.startswith(scope + ".")
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward calls ``callback``: autograd runs it once the
+    gradient has flowed through the whole unit down to its inputs."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return tuple(x.view_as(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
 
 
 class UnitState(enum.Enum):
@@ -254,3 +271,11 @@ class Unit:
             self.state = UnitState.RESHARDED
         if freed:
             self.emit("free", self)
+
+    def free_frozen_after_backward(self, args, kwargs):
+        """Stage 3, in a forward: frozen buffers get no gradient, so no hook says when this
+        unit's backward is over; an identity on its inputs does (autograd runs its backward once
+        the unit's has finished): there they are resharded. Returns the inputs to use."""
+        leaves, spec = tree_flatten((args, kwargs))
+        leaves = _AfterBackward.apply(functools.partial(self.reshard, frozen_only=True), *leaves)
+        return tree_unflatten(list(leaves), spec)
