@@ -8,33 +8,34 @@ Every collective minishard issues goes through a function in this module. That b
    direct exchange, each faster in a training step there than gloo's own).
 2. One place to *count* communication. Inside ``with ledger() as led:`` every collective this rank
    issues is recorded with the bytes it sends (costs.py: the ring cost model, the Ledger, and the
-   alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm); and,
-   always, in the flight record (costs.Flight; observe/flight.py dumps it when a collective fails).
+   alpha-beta model that ``all_reduce(..., algorithm="auto")`` uses to pick an algorithm).
 3. One place a reader has to look to know when ranks talk to each other.
-Each takes ``group`` (None: the default group) and ``async_op`` (True: returns a :class:`Handle`)."""
+Each takes ``group`` (None: the default group), ``async_op`` (True: returns a :class:`Handle`)
+and a ``tag`` saying what it is. What comm checks and records about each (the flight record,
+stamps, timeouts, the debug check) is checks.py's: the collectives here stay one page."""
 from __future__ import annotations
 
-import functools
-import os
 import time
 import zlib
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from minishard import costs
-from minishard.costs import (ALPHA, BETA, FLIGHT, Entry, Ledger, all_reduce_algorithms,
-                             all_reduce_cost, all_reduce_terms, group_dim, group_ranks, ledger,
-                             pick_all_reduce, power_of_two, ring_bytes)
+from minishard import checks, costs
+from minishard.checks import (FLIGHT, STAMP_BYTES, SUM_STAMP_NUMEL, CollectiveError,
+                              CollectiveMismatch, row_stamp, set_debug, set_timeout, stamp,
+                              stamps_differ, sum_stamp)
+from minishard.costs import (ALPHA, BETA, Entry, Ledger, all_reduce_algorithms, all_reduce_cost,
+                             all_reduce_terms, group_dim, group_ranks, ledger, pick_all_reduce,
+                             power_of_two, ring_bytes)
 
 __all__ = ["Handle", "Ledger", "Entry", "ledger", "all_reduce", "all_gather", "reduce_scatter",
            "broadcast", "group_size", "group_rank", "ring_bytes", "all_reduce_terms",
            "all_reduce_cost", "all_reduce_algorithms", "pick_all_reduce", "set_debug",
            "CollectiveMismatch", "group_ranks", "group_dim", "ALPHA", "BETA", "FLIGHT",
            "set_observer", "FINISHED_KEPT_BY_BACKEND", "OPS", "STAMP_BYTES", "stamp",
-           "SUM_STAMP_NUMEL", "sum_stamp", "row_stamp", "stamps_differ", "CollectiveError",
-           "set_timeout"]
+           "SUM_STAMP_NUMEL", "sum_stamp", "row_stamp", "stamps_differ",
+           "CollectiveError", "set_timeout"]
 
 # The flat-tensor collectives: torch 2.13's names, else those of torch 2.5-2.12.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -42,12 +43,18 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
-            algorithm: str = "ring", group=None) -> costs.Flown:
+           algorithm: str = "ring", group=None) -> checks.Flown:
     """Give the flight record and the open ledgers (costs.py) this collective's entry (params.py:
     DTensor's too); returns its place in the flight record."""
     flown = FLIGHT.issued(op, tensor_numel, dtype, group, tag)
-    if not costs.OPEN and _observer is None:
-        return flown
+    if costs.OPEN or _observer is not None:
+        _to_ledgers(op, tensor_numel, dtype, n, tag, algorithm, group)
+    return flown
+
+
+def _to_ledgers(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
+                algorithm: str, group) -> None:
+    """The ledger's entry: the bytes this rank sends under the algorithm's cost model."""
     full_bytes = tensor_numel * torch.empty((), dtype=dtype).element_size()
     sent = (ring_bytes(op, full_bytes, n) if algorithm == "ring"
             else all_reduce_terms(algorithm, full_bytes, n)[1])
@@ -57,7 +64,6 @@ def record(op: str, tensor_numel: int, dtype: torch.dtype, n: int, tag: str,
         led.entries.append(entry)
     if _observer is not None:
         _observer.issued(entry)
-    return flown
 
 
 _observer = None  # trace.py's recorder inside model.trace(), else None: one comparison each
@@ -76,108 +82,15 @@ def set_observer(observer) -> None:
 FINISHED_KEPT_BY_BACKEND = 2  # after ``wait()`` that many finished ones may live on (meters.py)
 
 
-# --------------------------------------------------------------------- consistency checking
-class CollectiveMismatch(RuntimeError):
-    """Ranks were about to issue different collectives (debug mode): a hang or silent garbage."""
-
-
-_debug = {"on": os.environ.get("MINISHARD_DEBUG", "0") not in ("", "0"),
-          "timeout": costs.setting("MINISHARD_DEBUG_TIMEOUT", 10.0)}
-_FINGERPRINT_BYTES = 192
-
-
-def set_debug(enabled: bool, timeout: float | None = None) -> None:
-    """Turn the collective-consistency check on or off (``MINISHARD_DEBUG=1`` turns it on at
-    import; ``MINISHARD_DEBUG_TIMEOUT`` sets how long a rank waits for the others, in seconds)."""
-    _debug["on"] = enabled
-    if timeout is not None:
-        _debug["timeout"] = timeout
-
-
-def _check_same_collective(op: str, tensor: torch.Tensor, group, n: int, tag: str) -> None:
-    """Debug mode: every rank all-gathers a fingerprint of the collective (op, shape, dtype,
-    tag) and compares; ranks on different code paths raise, all sides named, instead of hanging
-    or summing unrelated tensors of equal size. One small all-gather per collective."""
-    mine = f"{op} shape={tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')} from {tag or '?'}"
-    raw = mine.encode()[:_FINGERPRINT_BYTES].ljust(_FINGERPRINT_BYTES, b"\0")
-    send = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(tensor.device)
-    recv = torch.empty(n * _FINGERPRINT_BYTES, dtype=torch.uint8, device=tensor.device)
-    work = _all_gather_flat(recv, send, group=group, async_op=True)
-    try:
-        work.wait(timeout=timedelta(seconds=_debug["timeout"]))
-    except RuntimeError as exc:
-        raise _dumped(CollectiveMismatch(
-            f"minishard debug: rank {dist.get_rank()} waited {_debug['timeout']:.0f} s at `{mine}` "
-            "and not every rank arrived: another rank skipped this collective or is stuck in "
-            "another one (the ranks took different code paths).")) from exc
-    rows = recv.view(n, _FINGERPRINT_BYTES).cpu()
-    theirs = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
-    if len(set(theirs)) > 1:
-        sides = "\n".join(f"  rank {_global(group, i)}: {fp}" for i, fp in enumerate(theirs))
-        raise _dumped(CollectiveMismatch(
-            "minishard debug: the ranks are about to issue DIFFERENT collectives:\n"
-            f"{sides}\nEvery rank must issue the same collectives in the same order: look for "
-            "a branch that depends on the rank or on its data (a layer skipped on one rank, "
-            "units run in another order, batches of different shapes)."))
-
-
-# [Note: stamps] What a collective IS, in its own payload: the engine's all-gathers end each
-# rank's row with a stamp (CRC of its identity, flat.identity: every buffer's name and the
-# model's number; then the first 28 bytes of that text), compared before any value is used.
-# Always on, no extra collective: ranks issuing different gathers of equal size (rank 0
-# evaluating alone; rank 0 running model A while rank 1 runs model B) raise. The ledger leaves
-# stamps out. A sum keeps a stamp of bits: the engine's all-reduces end with the CRC's 32 bits b
-# and 1 - b (``sum_stamp``), which averaged (or max, min) come back unchanged only if every
-# rank's agree. A reduce-scatter's chunks have no room: on gloo its messages' tags carry the CRC
-# (gloo matches equal tags only), so two reductions are never combined: they wait and time out,
-# named. A stamped identity is equal on every rank.
-STAMP_BYTES, SUM_STAMP_NUMEL = 32, 64
-
-
-def stamp(what: str, itemsize: int) -> bytearray:
-    """``what``'s stamp (STAMP_BYTES, rounded up to whole elements of ``itemsize`` bytes): a
-    payload's rows end with ``torch.frombuffer(stamp, dtype=...)``; compare them as bytes."""
-    raw = zlib.crc32(what.encode()).to_bytes(4, "little") + what.encode()[:STAMP_BYTES - 4]
-    return bytearray(raw.ljust(-(-STAMP_BYTES // itemsize) * itemsize, b"\0"))
-
-
-@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
-def row_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
-    """``what``'s :func:`stamp` as elements of ``dtype``: what ends each row of a gather."""
-    return torch.frombuffer(stamp(what, dtype.itemsize), dtype=dtype).to(device)
-
-
-@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
-def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
-    """``what``'s stamp for a sum, average, max or min: the bits of its CRC, then 1 minus them."""
-    return torch.tensor([(zlib.crc32(what.encode()) >> i & 1) ^ flip for flip in (0, 1)
-                         for i in range(SUM_STAMP_NUMEL // 2)], dtype=dtype, device=device)
-
-
-def stamps_differ(stamps, group, op: str) -> None:
-    """Raise: ranks issued different collectives. ``stamps``: a gather's rows of stamp bytes,
-    one a rank, not all equal; or (a str) what this rank's ``sum_stamp`` said, come back changed."""
-    said = ({dist.get_rank(group): f"{stamps}; another rank: not that"} if isinstance(stamps, str)
-            else dict(enumerate(bytes(row[4:].tolist()).rstrip(b"\0").decode(errors="replace")
-                                for row in stamps.cpu())))
-    sides = "\n".join(f"  rank {_global(group, i)}: {op} of {what}" for i, what in said.items())
-    raise _dumped(CollectiveMismatch(
-        "minishard: the ranks issued DIFFERENT collectives of the same size, so the numbers "
-        f"they exchanged mean nothing (none was used):\n{sides}\nEvery rank must run the same "
-        "forwards and backwards in the same order. The usual cause: a forward on some ranks "
-        "only, such as an evaluation under `if rank == 0` (nanoGPT's `and master_process`) at "
-        "stages 1-3: evaluate on every rank. MINISHARD_DEBUG=1 names every collective."))
-
-
 def _before(op: str, tensor: torch.Tensor, numel: int, group, n: int, tag: str,
-            algorithm: str = "ring") -> costs.Flown:
+            algorithm: str = "ring") -> checks.Flown:
     """Every collective passes here first: the flight record, the ledger, the debug check.
     A backend moves memory in STORAGE order (a transposed tensor would arrive scrambled,
     silently): every collective below hands it ``x.contiguous()`` and copies a result back."""
     assert tensor.is_contiguous(), f"comm.{op}: a strided tensor reached the backend"
     flown = record(op, numel, tensor.dtype, n, tag, algorithm, group)
-    if _debug["on"] and n > 1:
-        _check_same_collective(op, tensor, group, n, tag)
+    if checks.DEBUG["on"] and n > 1:
+        checks.check_same_collective(op, tensor, group, n, tag)
     return flown
 
 
@@ -186,37 +99,27 @@ group_size, group_rank = dist.get_world_size, dist.get_rank  # (group=None: the 
 
 
 # ------------------------------------------------------------------------------------ handles
-class CollectiveError(RuntimeError):
-    """A collective did not complete here: past MINISHARD_TIMEOUT, or failed by the backend."""
-
-
-_timeout = {"limit": timedelta(seconds=costs.setting("MINISHARD_TIMEOUT", 600.0))}
-
-
-def set_timeout(seconds: float) -> None:  # how long a rank waits in one of comm's collectives
-    _timeout["limit"] = timedelta(seconds=costs.checked("set_timeout", seconds, float))
-
-
 class Handle:
     """What an async collective returns. ``wait()`` blocks until the result is in place, and
     raises :class:`CollectiveError` naming the collective (``flown``) if it never comes."""
 
-    def __init__(self, work=None, then=None, flown: costs.Flown | None = None) -> None:
+    def __init__(self, work=None, then=(), flown: checks.Flown | None = None) -> None:
         self._works = work if isinstance(work, list) else [] if work is None else [work]
-        self._then, self.flown = then, flown
+        self._then = [f for f in (then if isinstance(then, (list, tuple)) else [then]) if f]
+        self.flown = flown
 
-    waited = property(lambda self: not self._works and self._then is None)  # result in place
+    waited = property(lambda self: not self._works and not self._then)  # result in place
 
     @torch.no_grad()  # collectives are not differentiable; some backends copy at wait time
     def wait(self) -> None:
-        """Wait for every work (the time blocked goes to every open ledger), then ``then``."""
+        """Wait for every work (blocked time to the open ledgers), then each of ``then``."""
         if self._works:
             works, self._works, start = self._works, [], time.perf_counter()
             try:
                 for work in works:
-                    work.wait(timeout=_timeout["limit"])
+                    work.wait(timeout=checks.TIMEOUT["limit"])
             except RuntimeError as exc:
-                raise _failed(self.flown, exc, time.perf_counter() - start) from exc
+                raise checks.failed(self.flown, exc, time.perf_counter() - start) from exc
             end = time.perf_counter()
             for led in costs.OPEN:
                 led.blocked_s += end - start
@@ -224,36 +127,17 @@ class Handle:
                 _observer.waited(works, start, end)
         if self.flown is not None and self.flown.t1 is None:
             self.flown.t1 = time.perf_counter()
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
+        then, self._then = self._then, []
+        for step in then:
+            step()
 
 
-def _dumped(error: RuntimeError) -> RuntimeError:  # after the flight record is written
-    note = FLIGHT.on_failure(str(error)) if FLIGHT.on_failure is not None else ""
-    error.args = (f"{error}\n  ({note})",) if note else error.args  # where it is, who reads it
-    return error
-
-
-def _failed(flown, exc: RuntimeError, waited: float) -> CollectiveError:
-    why = (f"waited {waited:.0f} s (MINISHARD_TIMEOUT) and not every rank came: another rank "
-           "skipped it, is stuck in another collective, or died" if "timed out" in str(exc).lower()
-           else f"the backend failed it ({str(exc).splitlines()[0][:200]}): the ranks issued "
-           "different collectives (a forward, save or evaluation on some ranks only, a loop left "
-           "early without Join), or one died")
-    what = flown.what if flown is not None else "a collective"
-    return _dumped(CollectiveError(f"minishard: rank {dist.get_rank()}, {what}: {why}."))
-
-
-def _finish(work, async_op: bool, then=None, tensor=None, dense=None, flown=None):
+def _finish(work, async_op: bool, then=(), tensor=None, dense=None, flown=None):
     """Issued async; a synchronous caller waits here (the ledger's ``blocked_s`` sees it). A
     result in ``dense``, a contiguous copy of ``tensor``, is copied back after ``then``."""
+    then = [f for f in (then if isinstance(then, (list, tuple)) else [then]) if f]
     if dense is not tensor:
-        def then_copy(first=then) -> None:
-            if first is not None:
-                first()
-            tensor.copy_(dense)
-        then = then_copy
+        then.append(lambda: tensor.copy_(dense))
     handle = Handle(work, then, flown)
     if _observer is not None:
         _observer.started(handle._works)
@@ -266,10 +150,11 @@ def _finish(work, async_op: bool, then=None, tensor=None, dense=None, flown=None
 # -------------------------------------------------------------------------------- collectives
 @torch.no_grad()
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
-               tag: str = "", algorithm: str = "ring", stamp: int = 0):
+               tag: str = "", algorithm: str = "ring", stamped: bool = False):
     """In place: ``tensor`` becomes the ``op`` of every rank's (:data:`OPS`: "sum", "avg",
-    "max", "min", "product"); any other op is refused before anything is sent. Its last
-    ``stamp`` elements are a :func:`sum_stamp`, left out of the ledger.
+    "max", "min", "product"); any other op is refused before anything is sent. ``stamped``
+    (avg, max or min): its last SUM_STAMP_NUMEL elements are comm's, for ``tag``'s stamp,
+    checked before the result is used (checks.py; left out of the ledger).
 
     ``algorithm``: "ring" (the backend's own), "direct" (:func:`_all_reduce_by_exchange`),
     "doubling" or "auto" (the cheaper under the alpha-beta model, see the module doc). Every
@@ -286,16 +171,19 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool
         raise ValueError(f"all_reduce: 'doubling' needs a power-of-two group, this one has {n} "
                          "ranks; use 'direct', 'ring' or 'auto'")
     dense = tensor.contiguous()
-    flown = _before("all_reduce", dense, dense.numel() - stamp, group, n, tag, algorithm)
+    room = SUM_STAMP_NUMEL if stamped else 0
+    if stamped:  # in the room the caller left: checks.py's [Note: stamps]
+        dense.view(-1)[-room:] = sum_stamp(tag, dense.dtype, dense.device)
+    flown = _before("all_reduce", dense, dense.numel() - room, group, n, tag, algorithm)
     if algorithm == "direct" and n > 1:
-        works, total = _all_reduce_by_exchange(dense, op, group, n)
-        return _finish(works, async_op, total, tensor, dense, flown=flown)
-    if algorithm == "doubling" and n > 1:
-        works, rest = _all_reduce_by_doubling(dense, op, group, n)
-        return _finish(works, async_op, rest, tensor, dense, flown=flown)
-    work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
-    then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
-    return _finish(work, async_op, then, tensor, dense, flown=flown)
+        work, then = _all_reduce_by_exchange(dense, op, group, n)
+    elif algorithm == "doubling" and n > 1:
+        work, then = _all_reduce_by_doubling(dense, op, group, n)
+    else:
+        work = dist.all_reduce(dense, op=red, group=group, async_op=True) if n > 1 else None
+        then = (lambda: dense.div_(n)) if op == "avg" and n > 1 else None
+    check = stamped and (lambda: checks.check_sum(dense.view(-1)[-room:], tag, group))
+    return _finish(work, async_op, [then, check], tensor, dense, flown=flown)
 
 
 # op -> (the backend's ReduceOp, how two ranks' values meet in comm's own algorithms); "avg"
@@ -379,15 +267,18 @@ def _all_reduce_by_doubling(tensor, op, group, n):
 
 @torch.no_grad()
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False,
-               tag: str = "", stamp: int = 0):
-    """``output`` (N * shard.numel() elements): every rank's ``shard``, in rank order; each ends
-    with ``stamp`` elements of stamp, left out of the ledger ([Note: stamps])."""
+               tag: str = "", stamped: bool = False):
+    """``output`` (N * shard.numel() elements): every rank's ``shard``, in rank order; each
+    shard's last STAMP_BYTES // itemsize elements comm's if ``stamped`` (checks.py: stamps)."""
     n = dist.get_world_size(group)
     if output.numel() != n * shard.numel():
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{n} ranks x {shard.numel()}")
     out, shard = output.contiguous(), shard.contiguous()
-    flown = _before("all_gather", out, out.numel() - n * stamp, group, n, tag)
+    room = STAMP_BYTES // shard.element_size() if stamped else 0
+    if stamped:  # in the room the caller left: checks.py's [Note: stamps]
+        shard.view(-1)[-room:] = row_stamp(tag, shard.dtype, shard.device)
+    flown = _before("all_gather", out, out.numel() - n * room, group, n, tag)
     if n == 1:
         output.copy_(shard.view_as(output))
         return _finish(None, async_op, flown=flown)
@@ -395,32 +286,35 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group=None, async_op: 
         work = _all_gather_by_broadcasts(out, shard, group, n)
     else:
         work = _all_gather_flat(out, shard, group=group, async_op=True)
-    return _finish(work, async_op, None, output, out, flown=flown)
+    check = stamped and (lambda: checks.check_rows(out.view(n, -1)[:, -room:], group, tag))
+    return _finish(work, async_op, [check], output, out, flown=flown)
 
 
+# [Note: gloo's all-gather] N broadcasts, one per rank, each straight into that rank's slice:
+#
+#     rank r:  out[r] = shard;   broadcast(out[j], src=j)  for every j      (in place)
+#
+# The ring's (N-1)/N·S bytes per rank, with no staging copy. gloo runs a send on the calling
+# thread, the one that computes, while a broadcast runs on gloo's worker thread: so in a
+# training step broadcasts overlap the computation that a direct exchange would hold up (whole
+# steps compared: bench/RESULTS.md).
 def _all_gather_by_broadcasts(output, shard, group, n):
-    """N broadcasts, one per rank, each straight into that rank's slice of ``output``::
-
-        rank r:  out[r] = shard;   broadcast(out[j], src=j)  for every j      (in place)
-
-    The ring's (N-1)/N·S bytes per rank, with no staging copy. gloo runs a send on the calling
-    thread, the one that computes, while a broadcast runs on gloo's worker thread: so in a
-    training step broadcasts overlap the computation that a direct exchange would hold up
-    (whole steps compared: bench/RESULTS.md)."""
+    """``output`` filled by N broadcasts ([Note: gloo's all-gather]); returns their works."""
     k, r, out = shard.numel(), dist.get_rank(group), output.view(-1)
     mine = out[r * k:(r + 1) * k]
     if mine.data_ptr() != shard.data_ptr():  # not already in place
         mine.copy_(shard.reshape(-1))
-    return [dist.broadcast(out[j * k:(j + 1) * k], src=_global(group, j), group=group,
-                           async_op=True) for j in range(n)]
+    ranks = range(n) if group is None else dist.get_process_group_ranks(group)  # global
+    return [dist.broadcast(out[j * k:(j + 1) * k], src=ranks[j], group=group, async_op=True)
+            for j in range(n)]
 
 
 @torch.no_grad()
 def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", group=None,
-                   async_op: bool = False, tag: str = "", identity: str = ""):
+                   async_op: bool = False, tag: str = ""):
     """``shard`` becomes this rank's slice ``full[r*k:(r+1)*k]`` of the ``op`` (:data:`OPS`) of
-    every rank's ``full``. On gloo its messages carry ``identity`` (default: ``tag``): a rank
-    reducing something else never meets them ([Note: stamps])."""
+    every rank's ``full``. On gloo its messages carry ``tag``'s CRC: a rank reducing something
+    else never meets them (checks.py's [Note: stamps])."""
     n, (red, _) = dist.get_world_size(group), _op(op, "reduce_scatter", full)
     if full.numel() != n * shard.numel():
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
@@ -431,32 +325,35 @@ def reduce_scatter(shard: torch.Tensor, full: torch.Tensor, op: str = "sum", gro
         shard.copy_(full.view_as(shard))
         return _finish(None, async_op, flown=flown)
     if dist.get_backend(group) == "gloo":
-        works, total = _reduce_scatter_by_exchange(mine, full, op, group, n, identity or tag)
+        works, total = _reduce_scatter_by_exchange(mine, full, op, group, n, tag)
         return _finish(works, async_op, total, shard, mine, flown=flown)
     work = _reduce_scatter_flat(mine, full, op=red, group=group, async_op=True)
     then = (lambda: mine.div_(n)) if op == "avg" else None
     return _finish(work, async_op, then, shard, mine, flown=flown)
 
 
+# [Note: gloo's reduce-scatter] A direct exchange, a third of gloo's own reduce_scatter's time
+# (bench/RESULTS.md). Rank r sends chunk j of its ``full`` to rank j, receives chunk r of every
+# other rank's, combines them in order:
+#
+#     rank r:  full = [c0 | c1 | ... | c(N-1)]    --c_j-->  rank j       (N-1 sends)
+#              part[j] = rank j's c_r             <------   rank j       (N-1 receives)
+#              shard   = part[0] + ... + part[N-1]          (part[r] = its own c_r)
+#
+# The same (N-1)/N * S bytes per rank as the ring, and a (N-1)/N * S receive buffer.
 def _reduce_scatter_by_exchange(shard, full, op, group, n, tag):
-    """On gloo, a third of gloo's own reduce_scatter's time (bench/RESULTS.md). Rank r sends chunk
-    j of its ``full`` to rank j, receives chunk r of every other rank's, combines them in order::
-
-        rank r:  full = [c0 | c1 | ... | c(N-1)]    --c_j-->  rank j       (N-1 sends)
-                 part[j] = rank j's c_r             <------   rank j       (N-1 receives)
-                 shard   = part[0] + ... + part[N-1]          (part[r] = its own c_r)
-
-    The same (N-1)/N * S bytes per rank as the ring, and a (N-1)/N * S receive buffer."""
+    """([Note: gloo's reduce-scatter]) The works of the exchange, and what combines the parts."""
     k, r = shard.numel(), dist.get_rank(group)
-    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # [Note: stamps]
+    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # checks.py: stamps
     chunks = full.reshape(n, k)
+    ranks = range(n) if group is None else dist.get_process_group_ranks(group)  # global
     recv = torch.empty((n - 1, k), dtype=full.dtype, device=full.device)
     parts = [chunks[j] if j == r else recv[j - (j > r)] for j in range(n)]  # rank order
     works = []
     for step in range(1, n):  # every rank sends to r+step while receiving from r-step
         to, frm = (r + step) % n, (r - step) % n
-        works.append(dist.isend(chunks[to], _global(group, to), group=group, tag=said))
-        works.append(dist.irecv(parts[frm], _global(group, frm), group=group, tag=said))
+        works.append(dist.isend(chunks[to], ranks[to], group=group, tag=said))
+        works.append(dist.irecv(parts[frm], ranks[frm], group=group, tag=said))
 
     def total() -> None:
         out = shard.view(k)

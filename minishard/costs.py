@@ -31,13 +31,8 @@ all_reduce = reduce_scatter + all_gather, where the ring starts to win: tutorial
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
-import functools
-import os
-import sys
-import time
 from fractions import Fraction
 from typing import Iterator
 
@@ -170,123 +165,6 @@ def all_reduce_terms(algorithm: str, full_bytes: int, group_size: int) -> tuple[
 
 
 WATCHERS: list = []  # context managers that record collectives comm does not issue
-
-
-# ------------------------------------------------------------------------ the flight record
-def setting(name: str, default, kind=float):
-    """``$name`` read as a ``kind`` (float: seconds), :func:`checked`; unset or empty:
-    ``default``."""
-    raw = os.environ.get(name, "").strip()
-    return checked(f"{name}={os.environ[name]!r}", raw, kind, default) if raw else default
-
-
-def checked(name: str, value, kind=float, default=None):
-    """``value`` as a ``kind``, above 0 and at most 1e9; anything else is refused in one line
-    naming ``name`` and what it takes (a timeout of -1, "inf" or "abc" must not quietly become
-    another: -1 fails every collective at once, blaming the other ranks)."""
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        number = None
-    if number is None or not 0 < number <= 1e9:  # nan fails it too
-        what = "a number of seconds" if kind is float else "a whole number"
-        unset = f" (unset: {default})" if default is not None else ""
-        raise ValueError(f"{name}: expected {what} above 0{unset}, got {value!r}")
-    return number
-
-
-@dataclasses.dataclass(slots=True)
-class Flown:
-    """One collective in the flight record: its place (``seq`` on this rank, ``nth`` on its
-    group), what it is, the engine's last event then, the user's line, and when it was issued
-    and landed (``perf_counter``; ``t1`` None: not landed, or DTensor's, which torch waits on)."""
-    seq: int
-    nth: int
-    op: str
-    tag: str
-    numel: int
-    dtype: torch.dtype
-    group: tuple         # (its name, the same on every rank; its global ranks): Flight.streams
-    event: tuple         # (phase, unit, backward passes so far): Flight.heard
-    site: tuple | None   # (file, line) of the first frame outside minishard and torch
-    t0: float
-    t1: float | None = None
-
-    @property
-    def what(self) -> str:  # for errors: what, and the line of the user's script it came from
-        line = f" (from {os.path.basename(self.site[0])}:{self.site[1]})" if self.site else ""
-        return f"{self.op} of {self.tag or 'an untagged tensor'}{line}"
-
-
-class Flight:
-    """The flight record: the last ``size`` collectives this rank issued, always on (comm adds
-    each, Flight.heard hears the engine's events). observe/flight.py dumps it, observe/doctor.py
-    explains the dumps. Bounded: ``size`` entries of about 300 bytes each."""
-
-    def __init__(self, size: int) -> None:
-        self.ring: collections.deque[Flown] = collections.deque(maxlen=size)
-        self.seq, self.backwards = 0, 0
-        # Each group's stream: [collectives issued on it, (name, global ranks)]. A group is
-        # known by its name, which every rank gives it alike (comm's group=None and the WORLD
-        # object DTensor passes are one stream); ``groups`` finds it by id(group), fast.
-        self.streams: dict[tuple, list] = {}
-        self.groups: dict[int, list] = {}
-        self.event: tuple = ("", "", 0)  # see Flight.heard
-        self.on_failure = None  # observe/flight.py: dump the record when a collective fails
-        self.apart = False  # inside a dry run (kept_apart): nothing here is a real job's
-
-    def issued(self, op: str, numel: int, dtype: torch.dtype, group, tag: str) -> Flown:
-        self.seq += 1
-        counted = self.groups.get(id(group)) or self._first_on(group)
-        counted[0] += 1
-        frame = sys._getframe(1)  # the user's line: the first frame not ours, torch's, ...
-        while frame is not None and frame.f_code.co_filename.startswith(_NOT_USER):
-            frame = frame.f_back
-        site = None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
-        flown = Flown(self.seq, counted[0], op, tag, numel, dtype, counted[1], self.event, site,
-                      time.perf_counter())
-        self.ring.append(flown)
-        return flown
-
-    def _first_on(self, group) -> list:
-        """A group's stream, looked up once (a dump may come after the group is gone)."""
-        if not dist.is_initialized():
-            return self.groups.setdefault(id(group), [0, ("", (0,))])
-        real = group if group is not None else dist.group.WORLD
-        identity = (getattr(real, "group_name", "") or "", tuple(group_ranks(real)))
-        stream = self.streams.setdefault(identity, [0, identity])
-        self.groups[id(group)] = stream
-        return stream
-
-    def heard(self, event: str, unit, *payload) -> None:
-        """The engine's listener: (phase, the last event's unit, backward passes begun so far);
-        phase: "forward" from a step's first forward, "backward" while autograd runs, then
-        "after backward" (the optimizer step, a no_sync gap, an evaluation outside the engine)."""
-        self.backwards += event == "backward_pass"
-        phase = _PHASES.get(event, self.event[0])
-        self.event = (phase, unit.name if unit is not None else self.event[1], self.backwards)
-
-    @contextlib.contextmanager
-    def kept_apart(self) -> Iterator[None]:
-        """Inside: a record of its own, dropped at the end (a dry run's world is not there:
-        its collectives, groups and passes must not join the real job's record)."""
-        kept = (self.ring, self.seq, self.backwards, self.streams, self.groups, self.event,
-                self.on_failure, self.apart)
-        self.ring = collections.deque(maxlen=self.ring.maxlen)
-        self.streams, self.groups, self.on_failure, self.apart = {}, {}, None, True
-        try:
-            yield
-        finally:
-            (self.ring, self.seq, self.backwards, self.streams, self.groups, self.event,
-             self.on_failure, self.apart) = kept
-
-
-_PHASES = {"step": "forward", "backward_pass": "backward", "backward_done": "after backward"}
-
-
-FLIGHT = Flight(setting("MINISHARD_FLIGHT_RING", 1024, int))  # collectives kept
-_NOT_USER = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep,
-             contextlib.__file__, functools.__file__)  # ... contextlib's or functools'
 
 
 # -------------------------------------------------------------------- the alpha-beta model

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import minishard
-from minishard import comm, costs
+from minishard import checks, comm
 from minishard.observe import doctor
 from minishard.testing import RankPool
 
@@ -66,7 +66,7 @@ def test_a_collective_no_other_rank_calls_raises_after_the_timeout():
 def test_the_flight_record_is_bounded():
     """The ring keeps the last ``size`` collectives, numbered on: filling it twice over costs no
     more than filling it once, at most 400 bytes an entry (README states 1024 entries, 400 KiB)."""
-    flight = costs.Flight(1024)
+    flight = checks.Flight(1024)
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -262,11 +262,11 @@ SETTINGS = [("MINISHARD_TIMEOUT", v) for v in ("abc", "inf", "nan", "-1", "0")] 
     ("MINISHARD_FLIGHT_RING", "-1"), ("MINISHARD_FLIGHT_RING", "2.5")]
 _TRY = """
 import importlib, os, sys
-from minishard import comm, costs
+from minishard import checks, comm
 for name, value in {settings!r}:
     os.environ[name] = value
     try:
-        importlib.reload(costs), importlib.reload(comm)
+        importlib.reload(checks), importlib.reload(comm)
         print("accepted", name, repr(value))
     except ValueError as exc:
         print(exc)

@@ -277,7 +277,8 @@ def latest_checkpoint(root: str | os.PathLike, checksums: bool = False) -> str |
     numbers: ``step-10`` after ``step-9``), or None. Incomplete or damaged ones are skipped:
     sizes are checked always, sha256 only with ``checksums`` (it reads every byte). An
     overwrite's ``X.saving`` and ``X.previous`` stand for ``X``: what :func:`committed` finds
-    there (an overwrite interrupted after its renames leaves ``X`` new and ``X.previous`` old).
+    there (an overwrite interrupted after its renames leaves ``X`` the newer save and
+    ``X.previous`` the one before).
     Not collective."""
     root = os.fspath(root)
     if not os.path.isdir(root):

@@ -1,6 +1,6 @@
 """The flight record, written down: where this rank stood when a collective failed.
 
-comm adds every collective to ``comm.FLIGHT`` (costs.Flight: the last 1024, about 300 bytes
+comm adds every collective to ``comm.FLIGHT`` (checks.Flight: the last 1024, about 300 bytes
 each, always on; DTensor's collectives for torch's tools too, once an engine exists), with its
 group, the engine's last event and the user's line. This module writes that ring to
 ``<dir>/rank<r>.json``, ``dir`` being ``$MINISHARD_FLIGHT_DIR`` or :data:`DEFAULT_DIR`:

@@ -36,7 +36,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from minishard import comm
 from minishard.verdicts import check_member, ranks_range
 
 __all__ = ["MixedPrecision", "Groups", "resolve_groups", "check_arguments", "check_same_config",

@@ -88,8 +88,7 @@ def _weak_hook(engine, method, *keys):
 
 
 def _first_step_check(optimizer, args, kwargs) -> None:
-    """Before every optimizer's step (torch's global hook): one never checked since it was built
-    or since it loaded a state dict is adopted now (guards.py, guard 3's backstop)."""
+    """Before every step: an optimizer not checked since built or loaded is adopted (guards.py)."""
     if optimizer not in guards.CHECKED:
         guards.adopt(optimizer)
 
@@ -229,10 +228,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
         return args, kwargs
 
     def _root_pre_forward(self, root: Unit, args, kwargs):
-        """The root's work before each forward (FSDP2's ``_root_pre_forward``): a forward never
-        backpropagated is over, each buffer's ``requires_grad`` follows its parameters', stages
-        0-2 re-gather what the user may have written and show every unit's views (a unit may
-        read another's parameter)."""
+        """The root's work before each forward (FSDP2's ``_root_pre_forward``); stages 0-2 show
+        every unit's views (a unit may read another's parameter)."""
         self._emit("step", root, args, kwargs)  # Join announces this rank (join.py)
         if self.phase is Phase.FORWARD:  # the last forward's backward never came
             for unit in self.units:
@@ -294,9 +291,8 @@ class ZeRO(trace.Traced, nn.Module, Joinable):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
-        """Runs once, when autograd has finished the whole backward pass: the reductions not
-        launched yet are launched, every one is waited for (schedule.py), every unit at rest
-        (after a no_sync backward its full buffers stay current for the next micro-batch)."""
+        """Once, when autograd has finished the backward: every reduction launched and waited
+        for (schedule.py), every unit at rest (after no_sync: current for the next micro-batch)."""
         sync = self.require_backward_grad_sync
         self._reducer.finish(sync)
         self._emit("backward_done")

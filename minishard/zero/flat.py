@@ -288,13 +288,6 @@ class FlatBuffer(Layout):
             storage.resize_(self.full_bytes)
         self.current = True
 
-    def send_pieces(self) -> list[torch.Tensor]:
-        """What this rank contributes to a gather (k elements, padded, in pieces): its own
-        ``shard``, or its row of each parameter's region of ``full``."""
-        if self.shard is not None:
-            return [self.shard]
-        return [region[self.chunk] for region in self.regions(self.full.data)]
-
     def wait(self) -> None:
         """Land the gather into ``full`` still in flight, if any."""
         if self.pending is not None:
@@ -359,37 +352,32 @@ def copy_in(flats: list[FlatBuffer], grads: list[torch.Tensor], send: torch.Tens
 
 def identity(flats: list[FlatBuffer]) -> str:
     """What one collective of ``flats`` is, equal on every rank that issues it: every buffer's
-    name and the model's number ([Note: stamps] in comm.py)."""
+    name and the model's number ([Note: stamps] in checks.py)."""
     return f"{'+'.join(f.name for f in flats)} (model {flats[0].model})"
 
 
 def land(flats: list[FlatBuffer], staging: torch.Tensor, work, k: int) -> None:
-    """After a gather: every rank's row must end with this rank's stamp ([Note: stamps] in
-    comm.py), then the gathered shards (N x the flats' k's, rank-major, ``k`` columns) go into
-    each flat's ``full``, one op: parameter j's region of full, viewed (N, width_j), is columns
-    of j."""
+    """After a gather (comm checked its stamps): ``staging[:, :k]`` into each flat's ``full``,
+    one op: parameter j's region of full, viewed (N, width_j), is columns of j."""
     work.wait()
-    stamps = staging[:, k:].view(torch.uint8)  # as bytes: a float compare would fail on NaN
-    if not bool(stamps.eq(stamps[:1]).all()):
-        comm.stamps_differ(stamps, flats[0].group, "all_gather")
     torch.split_with_sizes_copy(staging[:, :k], [w for f in flats for w in f.widths], dim=1,
                                 out=[region for f in flats for region in f.regions(f.full.data)])
 
 
+# [Note: one gather] ``gather_params`` all-gathers several buffers (one unit's, or a bucket's)
+# in ONE collective, each rank's row its shards side by side, then the room comm stamps::
+#
+#     flat A (k=2), flat B (k=3):   this rank's row of staging = [A's shard, B's shard, stamp]
+#     staging (N x (5+s)) after the gather:  rank 0 [a0 a1 b0 b1 b2 | stamp]
+#                                            rank 1 [a2 a3 b3 b4 b5 | stamp]
+#     comm checks the stamps agree; A's full from staging[:, 0:2], B's from staging[:, 2:5]
+#
+# The handle is left in each flat's ``pending``: any flat's ``wait()`` (or the next gather into
+# it) lands them all. One buffer at N = 1: full is its shard, no staging.
 def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handle:
-    """All-gather the shards of ``flats`` (one unit's, or a bucket's: same group, one compute
-    dtype) into their ``full`` buffers in ONE collective. Returns the handle, also left in each
-    flat's ``pending``: any flat's ``wait()`` (or the next gather into it) lands them all::
-
-        flat A (k=2), flat B (k=3):   this rank's row of staging = [A's shard, B's shard, stamp]
-        staging (N x (5+s)) after the gather:  rank 0 [a0 a1 b0 b1 b2 | stamp]
-                                               rank 1 [a2 a3 b3 b4 b5 | stamp]
-        the stamps agree; A's full from staging[:, 0:2], B's from staging[:, 2:5]   (land)
-
-    The stamp ([Note: stamps] in comm.py) says which buffers of which model the gather is for.
-    One buffer at N = 1: full is its shard, no staging. At stage 0 under a cast the gather is
-    the cast."""
-    first, rank, tag = flats[0], flats[0].rank, "+".join(f.name for f in flats)
+    """All-gather the shards of ``flats`` (same group, one compute dtype) into their ``full``
+    buffers in one collective ([Note: one gather]); at stage 0 under a cast it is the cast."""
+    first, rank, tag = flats[0], flats[0].rank, identity(flats)
     with torch.no_grad():
         for flat in flats:
             flat.mark_current()
@@ -402,14 +390,16 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
             if first.shard is not None:
                 mine.copy_(first.shard)
             handle = comm.all_gather(first.full.data, mine, first.group, async_op=True, tag=tag)
-        else:  # each rank's row: its shards, then the gather's stamp (comm.py)
-            stamp = comm.row_stamp(identity(flats), first.full.dtype, first.full.device)
+        else:
             k = sum(f.shard_numel for f in flats)
-            staging = first.full.new_empty(first.chunks, k + stamp.numel())
-            torch.cat([piece for f in flats for piece in f.send_pieces()] + [stamp],
-                      out=staging[rank])
+            staging = first.full.new_empty(first.chunks,
+                                           k + comm.STAMP_BYTES // first.full.element_size())
+            # this rank's part: each buffer's own shard, or its row of each region of full
+            torch.cat([p for f in flats for p in ([f.shard] if f.shard is not None else
+                                                  [r[f.chunk] for r in f.regions(f.full.data)])],
+                      out=staging[rank, :k])
             work = comm.all_gather(staging, staging[rank], first.group, async_op=True, tag=tag,
-                                   stamp=stamp.numel())
+                                   stamped=True)
             handle = comm.Handle(then=lambda: land(flats, staging, work, k))
     for flat in flats:
         flat.pending = handle
@@ -419,26 +409,26 @@ def gather_params(flats: list[FlatBuffer], async_op: bool = False) -> comm.Handl
     return handle
 
 
+# [Note: one reduction] ``reduce_grads`` averages several buffers' full gradients in ONE
+# collective. Mode REPLICATED (DDP): an all-reduce of the joined gradients, ending with room for
+# comm's stamp (full's tail). Otherwise a reduce-scatter, after which each rank keeps its k
+# elements of every buffer; for that, each rank's pieces of the buffers sit side by side in the
+# buffer sent (rank-major, :func:`copy_in`)::
+#
+#     flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
+#     send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
+#     rank 0 receives [a0 a1 b0 b1 b2]: its piece of A, then of B; rank 1 the other half.
+#
+# With replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
+# the mean of S-rank means over R replicas is the mean over all R·S ranks.
 def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = None) -> comm.Handle:
-    """Average the full gradients of ``flats`` (same group and mode) over the ranks in ONE
-    collective, into their user parameters' ``.grad``; returns a handle to wait on. With
-    replicas (hybrid sharding), waiting also all-reduces (avg) the reduced pieces across them:
-    the mean of S-rank means over R replicas is the mean over all R·S ranks.
-
-    Mode REPLICATED (DDP): an all-reduce of the joined gradients, each ending with its buffer's
-    stamp (comm.py's [Note: stamps]). Otherwise a reduce-scatter, after which each rank keeps its
-    k elements of every buffer. For that, each rank's pieces of the buffers must sit side by side
-    in the buffer we send (rank-major, :func:`copy_in`)::
-
-        flat A (k=2): rows [a0 a1 | a2 a3]       flat B (k=3): rows [b0 b1 b2 | b3 b4 b5]
-        send  = [a0 a1 b0 b1 b2 | a2 a3 b3 b4 b5]      (each N x k, joined on dim 1)
-        rank 0 receives [a0 a1 b0 b1 b2]: its piece of A, then of B; rank 1 the other half.
-    """
-    first = flats[0]
+    """Average the full gradients of ``flats`` (same group and mode) over the ranks in one
+    collective ([Note: one reduction]) into their user parameters' ``.grad``: a handle."""
+    first, tag = flats[0], identity(flats)
     grads = [f.take_grad(reduce_dtype) for f in flats]
-    tag = "+".join(f.name for f in flats)
     if first.mode is FlatMode.REPLICATED:
-        out, handle = _all_reduce_stamped(flats, grads, tag)
+        out = grads[0] if len(grads) == 1 else torch.cat(grads)
+        handle = comm.all_reduce(out, "avg", first.group, async_op=True, tag=tag, stamped=True)
         sizes = [f.full.numel() for f in flats]
     else:
         if len(flats) == 1 and first.same_layout:
@@ -448,49 +438,24 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
             copy_in(flats, grads, send)
         out = send.new_empty(sum(f.shard_numel for f in flats))
         handle = comm.reduce_scatter(out, send.reshape(-1), "avg", first.group, async_op=True,
-                                     tag=tag, identity=identity(flats))
+                                     tag=tag)
         sizes = [f.shard_numel for f in flats]
 
     def deliver() -> None:
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
-            _average_across(out, first.replicate_group, f"{identity(flats)} (replicas)")
+            _average_across(out, first.replicate_group, f"{tag} (replicas)")
         for flat, piece in zip(flats, torch.split(out, sizes)):
+            if flat.tail and out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
+                flat.stamped = weakref.ref(out)  # its views become .grad (memory_report)
             flat.add_shard_grad(piece)
 
     return comm.Handle(then=deliver)
 
 
-def _all_reduce_stamped(flats: list[FlatBuffer], grads: list[torch.Tensor], tag: str):
-    """Mode REPLICATED: (the gradients joined, each ending with its buffer's stamp, and a handle
-    to their average). Waiting raises on every rank unless each stamp came back as it went, and
-    remembers ``out`` where its views become the ``.grad`` (memory_report counts their stamps)."""
-    for flat, grad in zip(flats, grads):
-        grad[flat.padded_numel:] = comm.sum_stamp(identity([flat]), grad.dtype, grad.device)
-    out = grads[0] if len(grads) == 1 else torch.cat(grads)
-    handle = comm.all_reduce(out, "avg", flats[0].group, async_op=True, tag=tag,
-                             stamp=len(flats) * comm.SUM_STAMP_NUMEL)
-
-    def check() -> None:  # every stamp, before any gradient is used
-        handle.wait()
-        for flat, piece in zip(flats, torch.split(out, [f.full.numel() for f in flats])):
-            _check_stamp(piece[flat.padded_numel:], identity([flat]), flat.group)
-            if out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
-                flat.stamped = weakref.ref(out)
-    return out, comm.Handle(then=check)
-
-
 def _average_across(out: torch.Tensor, group, tag: str) -> None:
-    """Hybrid sharding: ``out`` (this rank's reduced pieces) averaged over its replicas, beside
-    a stamp checked before ``out`` changes (a copy: out's own storage keeps no stamp's room)."""
-    stamp = comm.sum_stamp(tag, out.dtype, out.device)
-    send = torch.cat([out, stamp])
-    comm.all_reduce(send, "avg", group, tag=tag, stamp=stamp.numel())
-    _check_stamp(send[out.numel():], tag, group)
+    """Hybrid sharding: ``out`` (this rank's reduced pieces) averaged over its replicas, with
+    room for comm's stamp (a copy: out's own storage keeps no room)."""
+    send = torch.cat([out, out.new_empty(comm.SUM_STAMP_NUMEL)])
+    comm.all_reduce(send, "avg", group, tag=tag, stamped=True)
     out.copy_(send[:out.numel()])
-
-
-def _check_stamp(got: torch.Tensor, what: str, group) -> None:
-    """After an all-reduce: every rank raises unless ``what``'s stamp came back as it went."""
-    if not torch.equal(got, comm.sum_stamp(what, got.dtype, got.device)):
-        comm.stamps_differ(what, group, "all_reduce")

@@ -69,10 +69,9 @@ class Gatherer:
             self.gather(self.order[i], direction, async_op=True)
 
     def gather(self, unit, direction: Pass, async_op: bool = False) -> None:
-        """Gather ``unit`` (its own forward gather notes its place in the first forward's order).
-        With ``bucket_bytes`` at stage 3, once the order is known, the units that run after it
-        (in that direction) and are not gathered join its collective, up to about bucket_bytes:
-        each still frees its own parameters after it has run, so the memory drains unit by unit."""
+        """Gather ``unit`` (its forward gather notes its place in the first forward's order); at
+        stage 3 with ``bucket_bytes``, once the order is known, the ungathered units after it (in
+        that direction) join its collective up to about bucket_bytes (module docstring)."""
         if direction is Pass.FORWARD and not async_op and not self.order_recorded \
                 and unit not in self.order:
             self.order.append(unit)
@@ -216,15 +215,15 @@ class Reducer:
         self._in_flight.append((reduce_grads(bucket, self.reduce_dtype), nbytes))
         self.in_flight_bytes += nbytes
 
+    # [Note: the end of backward] A flat buffer whose gradient never became ready in this
+    # backward is reduced then if this rank holds a gradient for it (it was used only in earlier
+    # ``no_sync`` backwards). One that no rank used keeps ``grad=None``, as in single-process
+    # training: reducing zeros into it would make Adam, momentum and weight decay move weights
+    # that got no gradient. Without find_unused_parameters, "no rank" is "not this rank" (every
+    # rank reaches the same units).
     def finish(self, sync_grads: bool) -> None:
-        """End of backward: reduce what is left, wait for every reduction.
-
-        A flat buffer whose gradient never became ready in this backward is reduced now if this
-        rank holds a gradient for it (it was used only in earlier ``no_sync`` backwards). One that
-        no rank used keeps ``grad=None``, as in single-process training: reducing zeros into it
-        would make Adam, momentum and weight decay move weights that got no gradient. Without
-        find_unused_parameters, "no rank" is "not this rank" (every rank reaches the same units).
-        """
+        """End of backward: reduce what is left ([Note: the end of backward]), wait for every
+        reduction."""
         if sync_grads:
             for unit in reversed(self.units):
                 for flat in unit.flats:

@@ -185,10 +185,9 @@ class Unit:
         self.state = UnitState.UNSHARDED
 
     def to_sharded(self, keep_current: bool = False) -> None:
-        """SHARDED, the unit at rest: stage 3 frees ``full``; every place holds its user
-        parameter. From then on the user may write the shards, however spelled, so ``full`` is
-        stale until gathered again (no version counter sees every write); ``keep_current``:
-        between the forward and backward of one step, or its micro-batches (``no_sync``)."""
+        """SHARDED, at rest: stage 3 frees ``full``; the places hold the user parameters, whom
+        the user may write however spelled, so ``full`` is stale until gathered (``keep_current``:
+        between a step's forward and backward, or its micro-batches under ``no_sync``)."""
         self.reshard()
         for flat in self.flats:
             self.set_places(flat, flat.params)
@@ -250,10 +249,9 @@ class Unit:
 
     # ----------------------------------------------------------------------------- reshard
     def reshard(self, j: int | None = None, frozen_only: bool = False) -> None:
-        """Stage 3: free ``full`` of every buffer (or of buffer ``j``, or of the frozen ones:
-        they have no gradient hook to say their backward is done), landing a gather in flight
-        first, and show the stand-ins (guards.Released); RESHARDED once none is gathered. A
-        REPLICATED buffer is never freed: its places keep their views. Stages 0-2: nothing."""
+        """Stage 3: free ``full`` of every buffer (or of buffer ``j``, or the frozen ones) and show
+        the stand-ins (guards.Released); RESHARDED once none is gathered. A REPLICATED buffer is
+        never freed: its places keep their views. Stages 0-2: nothing."""
         if not self.reshard_after_forward:
             return
         freed = False
