@@ -227,13 +227,13 @@ def stamp(what: str, itemsize: int) -> bytearray:
     return bytearray(raw.ljust(-(-STAMP_BYTES // itemsize) * itemsize, b"\0"))
 
 
-@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
+@functools.lru_cache(maxsize=512)  # made once for each (what, dtype, device): never write it
 def row_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
     """``what``'s :func:`stamp` as elements of ``dtype``: what ends each row of a gather."""
     return torch.frombuffer(stamp(what, dtype.itemsize), dtype=dtype).to(device)
 
 
-@functools.lru_cache(maxsize=None)  # made once for each (what, dtype, device): never write it
+@functools.lru_cache(maxsize=512)  # made once for each (what, dtype, device): never write it
 def sum_stamp(what: str, dtype: torch.dtype, device) -> torch.Tensor:
     """``what``'s stamp for a sum, average, max or min: the bits of its CRC, then 1 minus them."""
     return torch.tensor([(zlib.crc32(what.encode()) >> i & 1) ^ flip for flip in (0, 1)

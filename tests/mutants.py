@@ -52,9 +52,8 @@ MUTANTS = {
          "tests/test_zero.py::test_ledger_one_step_is_the_stage_formula"]),
     "master_rounded_to_bf16": (
         "the fp32 master shard is rounded to the compute dtype at every gather",
-        [("minishard/zero/flat.py", "            return [self.shard]",
-          "            self.shard.copy_(self.shard.to(self.param_dtype))\n"
-          "            return [self.shard]")],
+        [("minishard/zero/flat.py", "[f.shard] if f.shard is not None else",
+          "[f.shard.copy_(f.shard.to(f.param_dtype))] if f.shard is not None else")],
         ["tests/test_training.py::test_bf16_matches_fsdp1_and_fsdp2_and_tracks_fp32"]),
     "syncbn_second_pass_only_when_all_cancel": (
         "SyncBatchNorm's centred second pass taken when ALL channels cancel instead of ANY",
@@ -63,8 +62,8 @@ MUTANTS = {
         ["tests/test_syncbn.py::test_one_cancelling_channel_takes_the_second_pass"]),
     "strided_tensor_sent_in_storage_order": (
         "a strided tensor handed to the backend as it is (a transposed buffer arrives scrambled)",
-        [("minishard/comm.py", '    dense = tensor.contiguous()\n    flown = _before("all_reduce"',
-          '    dense = tensor\n    flown = _before("all_reduce"'),
+        [("minishard/comm.py", '    dense = tensor.contiguous()\n    room = SUM_STAMP_NUMEL',
+          '    dense = tensor\n    room = SUM_STAMP_NUMEL'),
          ("minishard/comm.py", "    out, shard = output.contiguous(), shard.contiguous()",
           "    out = output"),
          ("minishard/comm.py", "    mine, full = shard.contiguous(), full.contiguous()",
@@ -251,20 +250,21 @@ MUTANTS = {
         "an optimizer whose state was loaded before wrapping keeps it for the WHOLE parameter "
         "(nanoGPT's resume): its step mixes full-shaped moments with this rank's rows",
         [("minishard/zero/guards.py",
-          "            problem = _keep_state_rows(optimizer.state.get(p), p) or problem",
+          "            problem = _keep_state_rows(optimizer.state.get(p), p,\n"
+          "                                       f\"group {len(groups_seen)} parameter {i}\", held) or problem",
           "            pass")],
         ["tests/test_your_parameters.py::test_nanogpt_resume_loads_the_optimizer_before_wrapping"]),
     "reductions_combined_by_size_alone": (
         "the messages of gloo's reduce-scatter carry no stamp: ranks reducing different units "
         "of one size average them",
-        [("minishard/comm.py", "    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # [Note: stamps]",
+        [("minishard/comm.py", "    said = _EXCHANGE_TAG << 24 | zlib.crc32(tag.encode()) & 0xFFFFFF  # checks.py: stamps",
           "    said = _EXCHANGE_TAG << 24")],
         ["tests/test_stamps.py::test_reductions_of_different_units_are_never_combined"]),
     "all_reduced_sums_unchecked": (
         "stage 0's all-reduce carries its stamp but no rank checks it: ranks averaging "
         "different units of one size deliver the mix",
-        [("minishard/zero/flat.py", "    if not torch.equal(got, comm.sum_stamp(",
-          "    if False and torch.equal(got, comm.sum_stamp(")],
+        [("minishard/checks.py", "    if not torch.equal(tail, sum_stamp(",
+          "    if False and torch.equal(tail, sum_stamp(")],
         ["tests/test_stamps.py::test_all_reduces_of_different_units_raise_on_every_rank"]),
     "allocations_count_a_dtensor_whole": (
         "Allocations counts a DTensor by its own storage, which claims the global size",
@@ -309,7 +309,7 @@ MUTANTS = {
         ["tests/test_zero.py::test_optimizer_built_before_wrapping_trains"]),
     "flight_not_dumped_on_failure": (
         "a failed collective raises without writing the flight record: the doctor has nothing",
-        [("minishard/comm.py", '    note = FLIGHT.on_failure(str(error)) if FLIGHT.on_failure '
+        [("minishard/checks.py", '    note = FLIGHT.on_failure(str(error)) if FLIGHT.on_failure '
           'is not None else ""', '    note = ""')],
         ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
     "doctor_blind_to_the_backward_pass": (
@@ -322,7 +322,7 @@ MUTANTS = {
         "the flight record counts the collectives DTensor runs apart from comm's on the same "
         "group (comm passes None, DTensor the group): the doctor lines up a norm on rank 0 "
         "against the other rank's first collective",
-        [("minishard/costs.py", "        stream = self.streams.setdefault(identity, [0, identity])",
+        [("minishard/checks.py", "        stream = self.streams.setdefault(identity, [0, identity])",
           "        stream = [0, identity]")],
         ["tests/test_hangs.py::test_dtensor_collectives_for_torch_tools_are_recorded",
          "tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
@@ -356,7 +356,7 @@ MUTANTS = {
     "stamps_not_checked": (
         "the ranks' stamps are not compared: rank 0's evaluation at stage 3 computes with the "
         "parameters of the unit the other ranks gather in backward, then hangs",
-        [("minishard/zero/flat.py", "    if not bool(stamps.eq(stamps[:1]).all()):",
+        [("minishard/checks.py", "    if not bool(got.eq(got[:1]).all()):",
           "    if False:")],
         ["tests/test_stamps.py::test_rank0_only_evaluation_raises_on_every_rank_before_a_loss_is_reported"]),
     "joined_rank_backward_from_the_sum": (
@@ -465,7 +465,8 @@ MUTANTS = {
     "replicas_average_unchecked": (
         "hybrid sharding: the replicas' all-reduce carries its stamp but no rank checks it (a "
         "block frozen on one replica: gradients averaged across different blocks)",
-        [("minishard/zero/flat.py", "    _check_stamp(send[out.numel():], tag, group)\n", "")],
+        [("minishard/zero/flat.py", '    comm.all_reduce(send, "avg", group, tag=tag, stamped=True)',
+          '    comm.all_reduce(send, "avg", group, tag=tag)')],
         ["tests/test_stamps.py::test_the_replicas_average_is_stamped"]),
     "discarded_no_sync_gradient_comes_back": (
         "a gradient accumulated under no_sync and cleared by zero_grad is still reduced into "
@@ -497,6 +498,29 @@ MUTANTS = {
         [("minishard/checkpoint/full_state.py", "            if t.shape != param.shape:",
           "            if t.numel() != param.shape.numel():")],
         ["tests/test_errors.py::test_a_full_tensor_of_another_shape_is_refused_like_torch_refuses_it"]),
+    "shard_copies_load_on_any_rank": (
+        "a copy of a shard state dict (.detach(), .clone()) has lost its mark, and its bytes "
+        "are not compared: every rank loads rank 0's rows",
+        [("minishard/zero/guards.py", "        if len(alike) > 1:", "        if False:")],
+        ["tests/test_foreign_shards.py::test_rank0s_file_loaded_on_every_rank_raises_on_every_rank"]),
+    "a_submodules_load_unchecked": (
+        "load_state_dict called on one submodule (a Linear) skips the ranks' verdict: another "
+        "rank's rows are silently not loaded",
+        [("minishard/zero/guards.py", "        if module is not self.outermost:\n            return",
+          "        if module is not self.outermost or not list(module.children()):\n            return")],
+        ["tests/test_foreign_shards.py::test_rank0s_file_loaded_on_every_rank_raises_on_every_rank"]),
+    "overwrite_error_on_rank0_alone": (
+        "rank 0's failed rename in an overwrite raises on rank 0 only: the others wait in the "
+        "swap's collective until the timeout",
+        [("minishard/checkpoint/state.py", "        except OSError as exc:  # still join the verdict",
+          "        except ValueError as exc:  # still join the verdict")],
+        ["tests/test_state.py::test_an_overwrite_failing_on_rank0_raises_on_every_rank"]),
+    "local_gradient_shown_as_a_copy": (
+        "between no_sync micro-batches .grad shows a copy of the local gradient: scaling it in "
+        "place (a user's gradient transform) changes nothing",
+        [("minishard/zero/unit.py", "                    whole = flat.param_in(grad, param.index)\n",
+          "                    whole = flat.param_in(grad, param.index).clone()\n")],
+        ["tests/test_sequences.py"]),
 }
 
 

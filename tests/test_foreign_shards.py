@@ -33,11 +33,22 @@ def step(model, opt, i):
     opt.zero_grad()
 
 
-def save_then_load(stage, folder, whose, part, mesh_shape=None):
-    """Two steps, each rank saves its state dicts, one more step (the uninterrupted run), then
-    a fresh model and optimizer load the file of rank ``whose(rank)`` (``part``: the model's,
-    the optimizer's or both) and take the same step. Returns ("loaded", error vs the
-    uninterrupted run) or ("refused", the message)."""
+def detached(sd: dict) -> dict:
+    """A snapshot of a state dict the way users copy one: ``.detach().clone()`` of each tensor
+    (of each optimizer state too): new DTensors, their shards' mark lost."""
+    copy = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+    if "state" in sd:
+        return {"state": {i: {k: copy(v) for k, v in st.items()} for i, st in sd["state"].items()},
+                "param_groups": sd["param_groups"]}
+    return {k: copy(v) for k, v in sd.items()}
+
+
+def save_then_load(stage, folder, whose, part, mesh_shape=None, snapshot=False):
+    """Two steps, each rank saves its state dicts (``snapshot``: copies, :func:`detached`), one
+    more step (the uninterrupted run), then a fresh model and optimizer load the file of rank
+    ``whose(rank)`` (``part``: the model's, the optimizer's, both, or one submodule's alone)
+    and take the same step. Returns ("loaded", error vs the uninterrupted run) or ("refused",
+    the message)."""
     r = dist.get_rank()
     mesh = None
     if mesh_shape:
@@ -49,7 +60,8 @@ def save_then_load(stage, folder, whose, part, mesh_shape=None):
         return model, torch.optim.Adam(model.parameters(), lr=0.05)
     model, opt = make()
     step(model, opt, 0), step(model, opt, 1)
-    torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()},
+    copy = detached if snapshot else (lambda sd: sd)
+    torch.save({"model": copy(model.module.state_dict()), "optim": copy(opt.state_dict())},
                os.path.join(folder, f"rank{r}.pt"))
     dist.barrier()
     step(model, opt, 2)
@@ -59,6 +71,9 @@ def save_then_load(stage, folder, whose, part, mesh_shape=None):
     try:
         if part in ("model", "both"):
             twin.module.load_state_dict(saved["model"])
+        elif part == "submodule":  # the first Linear alone: its own load, its own verdict
+            twin.module[0].load_state_dict({k[2:]: v for k, v in saved["model"].items()
+                                            if k.startswith("0.")})
         else:
             twin.load_full_state_dict(model_state_before(saved, model))
         if part in ("optim", "both"):
@@ -79,15 +94,17 @@ def model_state_before(saved, model):
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [2, 3])  # 3: rows that do not split evenly
 def test_rank0s_file_loaded_on_every_rank_raises_on_every_rank(pools, tmp_path, stage, world):
-    for part in ("model", "optim", "both"):
-        folder = tmp_path / f"{part}"
+    for part, snapshot in (("model", False), ("optim", False), ("both", False),
+                           ("submodule", False), ("model", True), ("optim", True)):
+        folder = tmp_path / f"{part}{snapshot}"
         folder.mkdir()
-        results = pools(world).run(save_then_load, stage, str(folder), _rank0, part)
+        results = pools(world).run(save_then_load, stage, str(folder), _rank0, part, None,
+                                   snapshot)
         for kind, said in results:
             assert kind == "refused", (part, results)
             assert all(way in said for way in WHAT_TO_DO) or "another rank" in said, said
         assert any("rows" in said and all(way in said for way in WHAT_TO_DO)
-                   for _, said in results), results
+                   for _, said in results), (part, snapshot, results)
 
 
 def _rank0(rank):
@@ -100,8 +117,12 @@ def _own(rank):
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_each_rank_loading_its_own_file_loads_exactly(pools, tmp_path, stage):
-    for kind, error in pools(3).run(save_then_load, stage, str(tmp_path), _own, "both"):
-        assert kind == "loaded" and error < 1e-6, (kind, error)
+    for snapshot in (False, True):  # a snapshot's bytes tell whose rows they are: its own
+        folder = tmp_path / f"{snapshot}"
+        folder.mkdir()
+        for kind, error in pools(3).run(save_then_load, stage, str(folder), _own, "both", None,
+                                        snapshot):
+            assert kind == "loaded" and error < 1e-6, (snapshot, kind, error)
 
 
 def _first_replica(rank):

@@ -124,6 +124,7 @@ def test_torchs_optimizer_state_dict_before_the_first_step(pools, stage):
 
 # ------------------------------------------------------------- the full export's numbering
 LAYOUTS = {
+    "named": lambda ps: [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.05}],  # (name, p) pairs
     "reversed": lambda ps: [{"params": ps[::-1]}],
     "block 1 before block 0": lambda ps: [{"params": ps[4:] + ps[:4]}],
     "two groups, interleaved": lambda ps: [{"params": ps[1::2], "lr": 0.05},
@@ -138,12 +139,15 @@ def exported(stage, layout, built):
     n, r = dist.get_world_size(), dist.get_rank()
     module = net()
     ddp = DDP(copy.deepcopy(module))
-    opt_ddp = torch.optim.Adam(LAYOUTS[layout](list(ddp.parameters())), lr=0.01)
-    opt = torch.optim.Adam(LAYOUTS[layout](list(module.parameters())), lr=0.01) \
+
+    def params(m):  # torch 2.6's named form for "named": the groups then carry param_names
+        return list(m.named_parameters() if layout == "named" else m.parameters())
+    opt_ddp = torch.optim.Adam(LAYOUTS[layout](params(ddp.module)), lr=0.01)
+    opt = torch.optim.Adam(LAYOUTS[layout](params(module)), lr=0.01) \
         if built == "before" else None
     model = minishard.ZeRO(module, stage=stage)
     if opt is None:
-        opt = torch.optim.Adam(LAYOUTS[layout](list(model.parameters())), lr=0.01)
+        opt = torch.optim.Adam(LAYOUTS[layout](params(model.module)), lr=0.01)
     for step in range(STEPS):
         x = batch(step, n)[r * 4:(r + 1) * 4]
         for m, o in ((model, opt), (ddp, opt_ddp)):
@@ -167,7 +171,8 @@ def test_the_full_optimizer_state_is_numbered_as_torch_numbers_it(pools, layout,
                     torch.testing.assert_close(ours["state"][i][key], value, rtol=1e-5,
                                                atol=1e-7)
     plain = net()
-    opt = torch.optim.Adam(LAYOUTS[layout](list(plain.parameters())), lr=0.01)
+    opt = torch.optim.Adam(LAYOUTS[layout](list(plain.named_parameters() if layout == "named"
+                                                else plain.parameters())), lr=0.01)
     opt.load_state_dict(ours)
     loss_of(plain, batch(0, 1)).backward()
     opt.step()  # a numbering off by a parameter fails here on shapes

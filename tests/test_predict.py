@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
-from minishard import MixedPrecision, ZeRO, comm
+from minishard import MixedPrecision, ZeRO, checks, comm
 from minishard.observe import plan
 from minishard.observe.memory import zero_bytes
 from minishard.observe.dry_run import Call
@@ -132,11 +132,11 @@ def test_a_dry_run_under_debug_mode_predicts_the_same_peak():
     """MINISHARD_DEBUG's check compares the ranks' collectives; in a dry run there is one rank,
     which agrees with itself: the check is off inside, back on after."""
     build = MODELS["mlp"][0]
-    plain, was = predict(build, 3, 3, 1, units=MLP_UNITS).peak, comm._debug["on"]
+    plain, was = predict(build, 3, 3, 1, units=MLP_UNITS).peak, checks.DEBUG["on"]
     comm.set_debug(True)
     try:
         assert predict(build, 3, 3, 1, units=MLP_UNITS).peak == plain
-        assert comm._debug["on"]
+        assert checks.DEBUG["on"]
     finally:
         comm.set_debug(was)
 

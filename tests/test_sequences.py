@@ -31,7 +31,8 @@ from minishard.zero.unit import UnitState
 D, BATCH = 5, 2  # features; rows per rank per micro-batch
 
 EVENTS = ["step", "accumulate", "discard", "discard_in_place", "discard_by_module", "eval",
-          "eval_with_grad", "gathered", "round_trip", "freeze", "thaw", "lr", "clip"]
+          "eval_with_grad", "gathered", "round_trip", "freeze", "thaw", "lr", "clip",
+          "scale_grads"]
 
 
 class Block(nn.Module):
@@ -43,9 +44,20 @@ class Block(nn.Module):
         return x + torch.tanh(self.lin(x))
 
 
+class Scale(nn.Module):
+    """A 0-dim parameter (one row: replicated, its gradient averaged over every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(0.9))
+
+    def forward(self, x):
+        return x * self.s
+
+
 def build():
     torch.manual_seed(0)
-    return nn.Sequential(Block(), Block(), Block(), nn.Linear(D, 2)).double()
+    return nn.Sequential(Block(), Block(), Block(), nn.Linear(D, 2), Scale()).double()
 
 
 def batch(i: int, world: int) -> torch.Tensor:
@@ -111,6 +123,10 @@ class Run:
             self.opt.load_state_dict(self.opt.state_dict())
         elif event in ("freeze", "thaw"):
             self.module[1].requires_grad_(event == "thaw")
+        elif event == "scale_grads":  # between micro-batches: each .grad, whatever it shows
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
         elif event == "lr":
             for group in self.opt.param_groups:
                 group["lr"] *= 0.5
@@ -204,6 +220,7 @@ def oracle(world, events, foreach, before):
          foreach=False, before=True)
 @example(world=4, stage=1, events=["accumulate", "discard_in_place"], foreach=False, before=False)
 @example(world=2, stage=1, events=["eval", "freeze", "step"], foreach=True, before=False)
+@example(world=4, stage=3, events=["accumulate", "scale_grads"], foreach=False, before=False)
 def test_drawn_sequences_equal_one_process(pools, world, stage, events, foreach, before):
     want = oracle(world, events, foreach, before)
     for rank, (wrong, got) in enumerate(pools(world).run(play, stage, world, events, foreach,
@@ -257,3 +274,29 @@ def discard_in_bf16(stage: int, how: str) -> dict:
 def test_a_micro_batch_discarded_under_mixed_precision_is_gone(pools, stage, how):
     for errors in pools(2).run(discard_in_bf16, stage, how):
         assert max(errors.values()) == 0.0, errors
+
+
+# ------------------------------------------------- what .grad shows between micro-batches
+def local_grads(stage: int) -> float:
+    """After a backward under no_sync each parameter's ``.grad`` is this rank's whole local
+    gradient, as DDP's is (a DTensor Replicate()d at stages 1-3: each rank holds its own):
+    the largest difference from DDP's on this rank, the same micro-batch, 0-dim one included."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    n, r = dist.get_world_size(), dist.get_rank()
+    x = batch(1, n)[BATCH * r:BATCH * (r + 1)]
+    model = minishard.ZeRO(build(), stage=stage, units={Block})
+    ddp = DDP(build())
+    for m in (model, ddp):
+        with m.no_sync():
+            m(x).square().mean().backward()
+    worst = 0.0
+    for (name, p), (_, q) in zip(model.named_parameters(), ddp.named_parameters()):
+        shown = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        worst = max(worst, (shown - q.grad).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_grad_between_micro_batches_is_the_local_gradient_as_under_ddp(pools, stage):
+    for world in (2, 4):  # 4: ranks with no rows of the small parameters
+        assert max(pools(world).run(local_grads, stage)) == 0.0

@@ -660,3 +660,40 @@ def test_an_overwrite_crashed_anywhere_leaves_one_whole_checkpoint(pools, tmp_pa
                                                                              leftovers)
     assert users == {"ckpt.pt": "ckpt.pt", os.path.join("notes", "todo.txt"):
                      os.path.join("notes", "todo.txt")}, users
+
+
+def overwrite_failing_on_rank0(ckpt, call):
+    """Rank 0's ``call``-th os.rename of an overwrite (the swap) raises OSError (a full disk, a
+    permission): every rank must raise, none wait in a collective for rank 0; ``ckpt`` still
+    loads (the previous save or the new one, whole)."""
+    import minishard.checkpoint.state as state
+    from minishard import comm
+    comm.set_timeout(20)  # were rank 1 left waiting for rank 0, the test would end, named
+    world, rank = ws_rank()
+    model, opt = make(2, "adam")
+    train(model, opt, [1], world, rank)
+    save_checkpoint(ckpt, model, opt)
+    train(model, opt, [2], world, rank)
+    rename, calls = os.rename, []
+
+    def failing(src, dst):
+        calls.append(src)
+        if rank == 0 and len(calls) == call:
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+    with unittest.mock.patch.object(state.os, "rename", failing):
+        try:
+            save_checkpoint(ckpt, model, opt, overwrite=True)
+            said = None
+        except (OSError, CheckpointError) as exc:
+            said = type(exc).__name__
+    twin, twin_opt = make(2, "adam", seed=5)
+    load_checkpoint(ckpt, twin, twin_opt)
+    comm.set_timeout(600)
+    return said
+
+
+@pytest.mark.parametrize("call", [1, 2])
+def test_an_overwrite_failing_on_rank0_raises_on_every_rank(pools, tmp_path, call):
+    said = pools(2).run(overwrite_failing_on_rank0, fresh(tmp_path), call)
+    assert said == ["OSError", "CheckpointError"], said

@@ -452,11 +452,11 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
     held = {k: v[1] for k, v in list(ours.items()) + list(stocks.items())}
     full_minus_shard = 4 * sizes["dim0"] * (world - 1) // world
     # Between steps: DDP keeps its gradient bucket, a full gradient (stage 0 frees its own;
-    # each of its buffers ends with room for a stamp, and the stamp is made once: 2 x 64
-    # elements a block, comm.py's [Note: stamps]); the stock stage-2 equivalents reshard after
-    # backward (they then hold what their stage 3 holds), where minishard's stage 2 keeps the
-    # full parameters.
-    stamps = 2 * 4 * comm.SUM_STAMP_NUMEL * BLOCKS
+    # each of its buffers ends with room for a stamp, 64 elements a block, and the one
+    # all-reduce of them has its stamp made once, 64 more: checks.py's [Note: stamps]); the
+    # stock stage-2 equivalents reshard after backward (they then hold what their stage 3
+    # holds), where minishard's stage 2 keeps the full parameters.
+    stamps = 4 * comm.SUM_STAMP_NUMEL * (BLOCKS + 1)
     assert held["DDP"] - held[0] == 4 * sizes["plain"] - stamps, held
     assert held["FSDP1 SHARD_GRAD_OP"] == held["FSDP1 FULL_SHARD"], held
     assert held["FSDP2 reshard_after_forward=False"] == held["FSDP2 fully_shard"], held

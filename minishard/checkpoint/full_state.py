@@ -353,7 +353,7 @@ def full_optimizer_state_dict(model, optimizer, param_names: list[str] | None = 
                                           for k, v in scalars.items()},
                                        **{k: gathered_keys[k][param.index] for k in per_element}}
     return torch_optimizer_state(
-        (hyperparameters(group), [full.get(id(p)) for p in params])
+        ({k: v for k, v in group.items() if k != "params"}, [full.get(id(p)) for p in params])
         for group, params in zip(optimizer.param_groups, groups))
 
 
@@ -374,7 +374,7 @@ def load_full_optimizer_state_dict(model, optimizer, state_dict: dict,
             raise ValueError(f"a param group of state_dict has {len(saved['params'])} "
                              f"parameters; the optimizer's has {len(params)}")
         by_param = {id(p): state_dict["state"].get(i) for p, i in zip(params, saved["params"])}
-        sharded.append((hyperparameters(saved),
+        sharded.append(({k: v for k, v in saved.items() if k != "params"},
                         [_my_rows_of_state(param, by_param[id(param)])
                          for param in _in_optimizer_order(params, optimizer, saved)]))
     load_rows_into(optimizer, torch_optimizer_state(sharded))

@@ -144,7 +144,7 @@ def _make_room(path: str, group, overwrite: bool) -> str:
     def holds() -> bool:
         return any(os.path.exists(os.path.join(path, m)) for m in (META, DCP_METADATA))
 
-    if comm.group_rank(group) == 0:
+    def tidy() -> None:
         found = checkpoint_files.committed(path)
         if not os.path.exists(path) and found != path:  # crashed between _swap_in's renames
             os.rename(found, path)
@@ -152,7 +152,7 @@ def _make_room(path: str, group, overwrite: bool) -> str:
         for leftover in (path + SAVING, path + PREVIOUS) if holds() and overwrite else ():
             if os.path.exists(leftover):
                 shutil.rmtree(leftover)
-    comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: room made")
+    _on_rank0(tidy, group, f"rank 0 could not tidy {path} before saving", "room made")
     if holds() and not overwrite:
         raise FileExistsError(
             f"{path} already holds a checkpoint; save each step into a fresh directory "
@@ -164,12 +164,24 @@ def _make_room(path: str, group, overwrite: bool) -> str:
 
 def _swap_in(into: str, path: str, group) -> None:
     """The complete checkpoint in ``into`` becomes ``path`` ([Note: overwrite])."""
-    if comm.group_rank(group) == 0:
+    def swap() -> None:
         os.rename(path, path + PREVIOUS)  # a crash here: files.committed finds path.saving
         os.rename(into, path)
         checkpoint_files.move_users_files(path + PREVIOUS, path)
         shutil.rmtree(path + PREVIOUS)
-    comm.all_reduce(torch.zeros(1), "sum", group, tag="checkpoint: swapped in")
+    _on_rank0(swap, group, f"rank 0 could not swap the new checkpoint into {path} (what is "
+              "there loads: load_checkpoint finds the complete one)", "swapped in")
+
+
+def _on_rank0(work, group, failed: str, done: str) -> None:
+    """``work()`` on rank 0 (the directory's moves), then every rank returns or raises together."""
+    error = None
+    if comm.group_rank(group) == 0:
+        try:
+            work()
+        except OSError as exc:  # still join the verdict, or the others would wait in vain
+            error = exc
+    raise_together(error, [group], f"checkpoint: {done}", CheckpointError(failed))
 
 
 def _gather_extras(extra, every) -> list:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.autograd import Variable
 from torch.futures import Future
 
-from minishard import comm
+from minishard import checks, comm
 
 __all__ = ["Mirror", "Call", "dry_run"]
 
@@ -201,7 +201,7 @@ def dry_run(world: int, rank: int = 0, together: dist.Store | None = None):
         mirror, worlds = dist.group.WORLD, dist.distributed_c10d._world.pg_map
         mirror.together = together
         worlds[mirror] = (Mirror.stands_for, worlds[mirror][1])  # what dist.get_backend answers
-        debug = comm._debug["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
+        debug = checks.DEBUG["on"]  # MINISHARD_DEBUG's check compares ranks: one agrees with itself
         comm.set_debug(False)
         comm.set_observer(mirror)
         try:

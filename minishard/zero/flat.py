@@ -226,13 +226,6 @@ class FlatBuffer(Layout):
             self.params.append(p)
         return self.params
 
-    def grad_rows(self, grad: torch.Tensor, j: int) -> torch.Tensor:
-        """This rank's rows of parameter j in a full-layout ``grad``, shaped like its shard: a
-        view (unit.py: [Note: local gradients])."""
-        lo, hi = self.row_ranges[j]
-        return self.region(grad, j)[self.chunk][:(hi - lo) * self.row_numels[j]].view(
-            self.shard_shape(j))
-
     def as_user(self, j: int, rows: torch.Tensor) -> torch.Tensor:
         """This rank's ``rows`` of parameter j (or of its gradient, or state shaped like it) as
         the user sees them: a DTensor at stages 1-3, the plain tensor at stage 0."""
@@ -426,10 +419,11 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
     collective ([Note: one reduction]) into their user parameters' ``.grad``: a handle."""
     first, tag = flats[0], identity(flats)
     grads = [f.take_grad(reduce_dtype) for f in flats]
-    if first.mode is FlatMode.REPLICATED:
-        out = grads[0] if len(grads) == 1 else torch.cat(grads)
+    if first.mode is FlatMode.REPLICATED:  # joined, one stamp's room at the end (full's tail)
+        out = grads[0] if len(grads) == 1 else torch.cat(
+            [g[:f.padded_numel] for f, g in zip(flats, grads)] + [grads[-1][-first.tail:]])
         handle = comm.all_reduce(out, "avg", first.group, async_op=True, tag=tag, stamped=True)
-        sizes = [f.full.numel() for f in flats]
+        sizes = [f.padded_numel for f in flats]
     else:
         if len(flats) == 1 and first.same_layout:
             send = grads[0]
@@ -445,9 +439,10 @@ def reduce_grads(flats: list[FlatBuffer], reduce_dtype: torch.dtype | None = Non
         handle.wait()
         if first.replicate_group is not None:  # issued at the same program point on every rank
             _average_across(out, first.replicate_group, f"{tag} (replicas)")
-        for flat, piece in zip(flats, torch.split(out, sizes)):
-            if flat.tail and out.dtype == flat.dtype and all(p.grad is None for p in flat.params):
-                flat.stamped = weakref.ref(out)  # its views become .grad (memory_report)
+        for flat, piece in zip(flats, torch.split(out[:sum(sizes)], sizes)):
+            if flat is flats[-1] and flat.tail and out.dtype == flat.dtype and all(
+                    p.grad is None for p in flat.params):  # its .grad views hold the room
+                flat.stamped = weakref.ref(out)            # (memory_report counts it)
             flat.add_shard_grad(piece)
 
     return comm.Handle(then=deliver)

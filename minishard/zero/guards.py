@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import gc
 import weakref
+import zlib
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
-from minishard.verdicts import raise_together
+from minishard.verdicts import all_gather_object
 
 __all__ = ["Released", "guard_parameters", "adopt_optimizer", "adopt", "CHECKED", "adopt_live_optimizers", "whole_state", "refuse_deepcopy"]
 
@@ -79,12 +80,12 @@ def guard_parameters(units, module: torch.nn.Module, stand_ins: bool, groups: li
             p._minishard_verdict = groups  # where a check of its optimizer state is agreed
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(_refuse_direct_use(param.name, unit.name))
-    loads = _Loads(module, groups)
-    module.register_load_state_dict_pre_hook(loads.start)  # before the root's own check
+    loads = _Loads(groups)
     for m in module.modules():
         m.register_state_dict_post_hook(_copy_my_rows)
+        m.register_load_state_dict_pre_hook(loads.start)  # before the module's own check
         m.register_load_state_dict_pre_hook(loads.keep_my_rows)
-    module.register_load_state_dict_post_hook(loads.end)
+        m.register_load_state_dict_post_hook(loads.end)
 
 
 def _copy_my_rows(module, state_dict, prefix, local_metadata) -> None:
@@ -120,15 +121,16 @@ def _check_rows(value, flat, j: int, what: str) -> str | None:
 class _Loads:
     """Guard 1 at ``load_state_dict``: plain full tensors become this rank's rows; a DTensor
     shard of another cut is refused at once (every rank sees that), one of another rank's rows
-    (:func:`_check_rows`) is not loaded and, at the end of the model's load, every rank raises
-    together (verdicts.py: that rank alone would leave the others waiting in a collective)."""
+    (:func:`_check_rows`) is not loaded and, at the end of the load (of the model or of the
+    module it was called on), every rank raises together (verdicts.py: that rank alone would
+    leave the others waiting in a collective)."""
 
-    def __init__(self, root: torch.nn.Module, groups: list) -> None:
-        self.root, self.groups, self.problem = weakref.ref(root), groups, None
-        self.loading = False
+    def __init__(self, groups: list) -> None:
+        self.groups, self.problem, self.outermost, self.held = groups, None, None, {}
 
     def start(self, module, *args) -> None:
-        self.loading, self.problem = True, None
+        if self.outermost is None:  # the module load_state_dict was called on
+            self.outermost, self.problem, self.held = module, None, {}
 
     def keep_my_rows(self, module, state_dict, prefix, *args) -> None:
         for attr, p in module._parameters.items():
@@ -147,22 +149,50 @@ class _Loads:
                     "model.full_state_dict() (loadable into any model, wrapped or plain).")
             foreign = isinstance(value, DTensor) and _check_rows(value, flat, j, repr(key))
             if foreign:
-                if not self.loading:  # a submodule loaded alone: no verdict to wait for
-                    raise RuntimeError(f"load_state_dict: {foreign}")
                 self.problem = self.problem or foreign
                 state_dict[key] = p  # loads nothing: the model keeps its own rows
+            elif isinstance(value, DTensor) and not flat.is_replicated(j):
+                self.held[repr(key)] = _content(value, flat.row_ranges[j])
             elif type(value) is torch.Tensor and value.shape == flat.shapes[j]:
                 state_dict[key] = flat.as_user(j, flat.my_rows(j, value).to(p.dtype))
 
     def end(self, module, incompatible_keys) -> None:
-        problem, self.problem, self.loading = self.problem, None, False
-        if self.groups:  # stages 1-3: every rank joins, whatever it found
-            raise_together(RuntimeError(f"load_state_dict: {problem}") if problem else None,
-                           self.groups, "load_state_dict: whose rows", RuntimeError(
-                               "load_state_dict: another rank was given a state dict of shards "
-                               "another rank saved (its error names the parameter); nothing "
-                               "of it was loaded there. Load each rank's own file, or a full "
-                               "state dict (model.full_state_dict()) or save_checkpoint's."))
+        if module is not self.outermost:
+            return
+        problem, self.problem, self.outermost = self.problem, None, None
+        _agree(problem, self.held, self.groups, "load_state_dict")
+
+
+def _content(t: torch.Tensor, rows) -> tuple | None:
+    """(the rows ``t`` holds, a CRC of its bytes) for the ranks to compare, or None where bytes
+    cannot tell whose they are: no rows here, or every element alike."""
+    t = t._local_tensor.detach() if isinstance(t, DTensor) else t.detach()
+    if t.numel() == 0 or bool((t == t.reshape(-1)[0]).all()):
+        return None
+    return tuple(rows), zlib.crc32(t.contiguous().cpu().view(torch.uint8).numpy())
+
+
+def _agree(problem: str | None, held: dict, groups: list, what: str) -> None:
+    """Every rank raises together if any rank found a ``problem`` (another rank's mark), or if
+    two ranks loaded the same bytes (``held``: {key: _content}) for different rows of one key:
+    one was given the other's shard, its mark lost (a ``.detach()`` or ``.clone()`` copy)."""
+    seen = [entry for group in groups for entry in all_gather_object(
+        (problem, {k: c for k, c in held.items() if c is not None}), group, tag=f"{what}: rows")]
+    found = next((p for p, _ in seen if p), None)
+    for key, (rows, crc) in [(k, c) for k, c in held.items() if c] if found is None else []:
+        alike = sorted({other[key][0] for _, other in seen if other.get(key, (0, -1))[1] == crc})
+        if len(alike) > 1:
+            found = (f"{key}: ranks holding rows {alike[0][0]}:{alike[0][1]} and {alike[1][0]}:"
+                     f"{alike[1][1]} of it hold the same values after this load, so one holds "
+                     "the other's (a copy of a state dict of shards, .detach() or .clone(), "
+                     "drops the mark that says whose rows a shard holds). Let each rank load "
+                     "the file it saved, or save what every rank can load: "
+                     "model.full_state_dict() and minishard.full_optimizer_state_dict(model, "
+                     "optimizer), or minishard.save_checkpoint(path, model, optimizer).")
+    if problem or found:
+        raise RuntimeError(f"{what}: {problem or found}" if problem or not groups else
+                           f"{what}: a rank was given a state dict of shards another rank saved "
+                           f"(its error names the parameter); nothing of it is used. {found}")
 
 
 def _cut(t: torch.Tensor) -> str:
@@ -179,11 +209,12 @@ def _refuse_direct_use(name: str, unit: str):
         p.grad = None
         raise RuntimeError(
             f"parameter {name!r} (unit {unit!r}) got a gradient directly: it was used outside "
-            "the engine's compute (a tensor kept from model.parameters() before a forward, or "
-            f"read outside the forward of {unit!r} at stage 3), so its gradient would not be "
-            "averaged over the ranks and at stages 1-3 it is only this rank's rows. Read "
-            "parameters through the module inside forward (model.parameters() then yields full "
-            "views until backward ends), or let one unit contain every module that uses it.")
+            "the module's forward (a loss term over model.parameters(), such as an L2 penalty; "
+            "a tensor kept from before a forward; at stage 3, read outside the forward of "
+            f"{unit!r}), so its gradient would not go through the engine's reduction, and at "
+            "stages 1-3 it is only this rank's rows. Compute such a term inside the module's "
+            "forward (its gradient is then reduced with the rest), use the optimizer's "
+            "weight_decay for an L2 penalty, or let one unit contain every module that uses it.")
     return hook
 
 
@@ -215,8 +246,9 @@ def adopt(optimizer) -> None:
     model uses), with its state; state shaped for a whole parameter keeps this rank's rows;
     state of another rank's rows (a shard's state dict loaded on the wrong rank) raises, on
     every rank of the engines whose parameters it holds."""
-    problem, groups = None, {}
+    problem, groups, held, groups_seen = None, {}, {}, []
     for group in optimizer.param_groups:
+        groups_seen.append(group)
         for i, p in enumerate(group["params"]):
             successor = getattr(p, "_minishard_successor", None)
             if successor is not None:
@@ -231,17 +263,13 @@ def adopt(optimizer) -> None:
             p = group["params"][i]
             if optimizer.state.get(p):  # state to check: agreed where it lives
                 groups.update(dict.fromkeys(getattr(p, "_minishard_verdict", ())))
-            problem = _keep_state_rows(optimizer.state.get(p), p) or problem
+            problem = _keep_state_rows(optimizer.state.get(p), p,
+                                       f"group {len(groups_seen)} parameter {i}", held) or problem
     if not getattr(optimizer, "_minishard_hooked", False):
         optimizer._minishard_hooked = True  # a state dict loaded later is checked again
         optimizer.register_load_state_dict_post_hook(CHECKED.discard)
         optimizer.register_state_dict_post_hook(_mark_state_rows)
-    raise_together(RuntimeError(f"{type(optimizer).__name__}.load_state_dict: {problem}")
-                   if problem else None, list(groups), "optimizer state: whose rows",
-                   RuntimeError("optimizer.load_state_dict: another rank was given optimizer "
-                                "state another rank saved (its error names it); no rank steps "
-                                "with it. Load each rank's own file, or a full optimizer state "
-                                "(minishard.full_optimizer_state_dict) or save_checkpoint's."))
+    _agree(problem, held, list(groups), f"{type(optimizer).__name__}.load_state_dict")
     CHECKED.add(optimizer)
 
 
@@ -262,10 +290,10 @@ def whole_state(key: str, value, shape: torch.Size) -> bool:
     return isinstance(value, torch.Tensor) and key != "step" and value.shape == shape
 
 
-def _keep_state_rows(state: dict | None, p: torch.Tensor) -> str | None:
+def _keep_state_rows(state: dict | None, p: torch.Tensor, where: str, held: dict) -> str | None:
     """Per-element state of a whole parameter, plain tensors, becomes this rank's rows of it,
     as the parameter itself (stages 1-3). Returns why a DTensor state is not this rank's rows
-    (:func:`_check_rows`), or None."""
+    (:func:`_check_rows`), or None; each one's bytes go into ``held`` (:func:`_agree`)."""
     flat, j = getattr(p, "_minishard_slot", (None, None))
     if not state or flat is None or flat.spec is None:  # not ours, or stage 0: full already
         return None
@@ -275,6 +303,8 @@ def _keep_state_rows(state: dict | None, p: torch.Tensor) -> str | None:
         elif isinstance(value, DTensor) and _check_rows(value, flat, j, f"state {key!r}"):
             return _check_rows(value, flat, j, f"state {key!r} of a parameter of shape "
                                                f"{tuple(flat.shapes[j])} ({flat.name})")
+        elif isinstance(value, DTensor) and key != "step" and not flat.is_replicated(j):
+            held[f"{where}'s {key!r}"] = _content(value, flat.row_ranges[j])
     return None
 
 
