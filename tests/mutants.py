@@ -512,7 +512,7 @@ MUTANTS = {
     "overwrite_error_on_rank0_alone": (
         "rank 0's failed rename in an overwrite raises on rank 0 only: the others wait in the "
         "swap's collective until the timeout",
-        [("minishard/checkpoint/state.py", "        except OSError as exc:  # still join the verdict",
+        [("minishard/checkpoint/directory.py", "        except OSError as exc:  # still join the verdict",
           "        except ValueError as exc:  # still join the verdict")],
         ["tests/test_state.py::test_an_overwrite_failing_on_rank0_raises_on_every_rank"]),
     "local_gradient_shown_as_a_copy": (

@@ -569,13 +569,14 @@ def _crash(*args, **kwargs):
 def _crash_at(point: str):
     """Patches that kill the save at ``point`` (rank 0 does the moves)."""
     import minishard.checkpoint.dcp as dcp
+    import minishard.checkpoint.directory as directory
     import minishard.checkpoint.state as state
     stack, patch = contextlib.ExitStack(), unittest.mock.patch.object
     if point == "writing":  # the rank files (minishard), the digests after DCP's files (dcp)
         stack.enter_context(patch(state, "atomic_save", _crash))
         stack.enter_context(patch(dcp, "atomic_save", _crash))
     elif point == "before the swap":
-        stack.enter_context(patch(state, "_swap_in", _crash))
+        stack.enter_context(patch(directory, "swap_in", _crash))
     elif point in ("between the renames", "moving the user's files back"):
         rename = os.rename
 
@@ -587,7 +588,7 @@ def _crash_at(point: str):
             rename(src, dst)
         stack.enter_context(patch(state.os, "rename", rename_then_crash))
     else:
-        stack.enter_context(patch(state.shutil, "rmtree", _crash))
+        stack.enter_context(patch(directory.shutil, "rmtree", _crash))
     return stack
 
 

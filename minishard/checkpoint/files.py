@@ -239,7 +239,7 @@ def _natural_key(name: str) -> list:
 def committed(path: str) -> str:
     """The directory holding the checkpoint saved at ``path``: ``path`` if it exists (an
     overwrite never leaves it incomplete); else, after a crash between the renames of an
-    overwrite (state.py: [Note: overwrite]), the complete one of ``path.saving`` (the new) and
+    overwrite (directory.py: [Note: overwrite]), the complete one of ``path.saving`` (the new) and
     ``path.previous``. Not collective."""
     if os.path.exists(path):
         return path
@@ -254,7 +254,7 @@ def committed(path: str) -> str:
 
 def move_users_files(source: str, path: str) -> None:
     """Every entry of ``source`` that no save wrote goes back into ``path`` (one rename each),
-    unless ``path`` holds that name already (state.py: [Note: overwrite]). Not collective."""
+    unless ``path`` holds that name already (directory.py: [Note: overwrite]). Not collective."""
     if not os.path.isdir(source) or not os.path.isdir(path):
         return
     for name in os.listdir(source):

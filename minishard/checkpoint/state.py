@@ -31,24 +31,22 @@ says otherwise. Hybrid sharding, the full export and the training loop's own sta
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 
 import torch
 
 from minishard import comm
-from minishard.checkpoint import files as checkpoint_files
-from minishard.checkpoint.files import (DCP_METADATA, EXTRA, FORMAT_VERSION, META, PREVIOUS,
-                                        SAVING, CheckpointError, atomic_save, check_checkpoint,
-                                        checkpoint_path, latest_checkpoint, saved_piece,
-                                        saved_rows, shard_file_name)
+from minishard.checkpoint import directory, files as checkpoint_files
+from minishard.checkpoint.files import (FORMAT_VERSION, META, CheckpointError, atomic_save,
+                                        check_checkpoint, checkpoint_path, latest_checkpoint,
+                                        saved_piece, saved_rows, shard_file_name)
 from minishard.checkpoint.dcp import (init_optimizer_state, is_dcp_checkpoint, read_dcp, save_dcp)
 from minishard.checkpoint.full_state import (buffer_state, full_optimizer_state_dict,
                                              group_param_names, hyperparameters,
                                              load_full_optimizer_state_dict, load_rows_into,
                                              named_params, original_parameter_names, split_state,
                                              torch_optimizer_state)
-from minishard.verdicts import all_gather_object, raise_together
+from minishard.verdicts import raise_together
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "check_checkpoint",
            "checkpoint_path", "CheckpointError", "full_optimizer_state_dict",
@@ -105,17 +103,17 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     path = checkpoint_files.path_first("save_checkpoint", path, model)
     if format == "dcp":
         init_optimizer_state(optimizer)
-    extras = _gather_extras(extra, model.every_group)
+    extras = directory.gather_extras(extra, model.every_group)
 
     def write() -> None:
-        into = _make_room(path, model.group, overwrite)
-        record = _write_extras(into, extras, model.group)  # before the marker: see there
+        into = directory.make_room(path, model.group, overwrite)
+        record = directory.write_extras(into, extras, model.group)  # before the marker: see there
         if format == "dcp":
             save_dcp(into, model, optimizer, record)
         else:
             _save_shards(into, model, optimizer, record)
         if into != path:
-            _swap_in(into, path, model.group)
+            directory.swap_in(into, path, model.group)
 
     replicas = getattr(model, "replicate_group", None)
     if replicas is None:
@@ -129,96 +127,6 @@ def save_checkpoint(path: str | os.PathLike, model, optimizer=None, *, extra=Non
     raise_together(error, [replicas], "checkpoint: first replica done", CheckpointError(
         f"the first replica could not save {path} (its error names the problem); the "
         "checkpoint is incomplete"))
-
-
-# [Note: overwrite] Replacing a checkpoint never leaves none: the new one is written into
-# ``path.saving``; once complete, rank 0 renames ``path`` -> ``path.previous`` and ``path.saving``
-# -> ``path``, moves back what no save wrote (files.own_file: the user's ckpt.pt, notes), then
-# deletes ``path.previous``. At every moment one complete checkpoint is where files.committed
-# looks (path, else path.saving, else path.previous): a crash leaves the previous or the new one
-# loadable, never a mix, never none; the next save finishes what it left, the user's files first.
-def _make_room(path: str, group, overwrite: bool) -> str:
-    """Where to write: ``path`` when it holds no checkpoint of either format; with
-    ``overwrite``, ``path.saving`` beside the one it holds; else refused. Rank 0 first finishes
-    a swap a crash interrupted and removes what a crashed save left beside ``path``."""
-    def holds() -> bool:
-        return any(os.path.exists(os.path.join(path, m)) for m in (META, DCP_METADATA))
-
-    def tidy() -> None:
-        found = checkpoint_files.committed(path)
-        if not os.path.exists(path) and found != path:  # crashed between _swap_in's renames
-            os.rename(found, path)
-        checkpoint_files.move_users_files(path + PREVIOUS, path)
-        for leftover in (path + SAVING, path + PREVIOUS) if holds() and overwrite else ():
-            if os.path.exists(leftover):
-                shutil.rmtree(leftover)
-    _on_rank0(tidy, group, f"rank 0 could not tidy {path} before saving", "room made")
-    if holds() and not overwrite:
-        raise FileExistsError(
-            f"{path} already holds a checkpoint; save each step into a fresh directory "
-            "(checkpoint_path(root, step)), or pass overwrite=True")
-    into = path + SAVING if holds() else path
-    os.makedirs(into, exist_ok=True)
-    return into
-
-
-def _swap_in(into: str, path: str, group) -> None:
-    """The complete checkpoint in ``into`` becomes ``path`` ([Note: overwrite])."""
-    def swap() -> None:
-        os.rename(path, path + PREVIOUS)  # a crash here: files.committed finds path.saving
-        os.rename(into, path)
-        checkpoint_files.move_users_files(path + PREVIOUS, path)
-        shutil.rmtree(path + PREVIOUS)
-    _on_rank0(swap, group, f"rank 0 could not swap the new checkpoint into {path} (what is "
-              "there loads: load_checkpoint finds the complete one)", "swapped in")
-
-
-def _on_rank0(work, group, failed: str, done: str) -> None:
-    """``work()`` on rank 0 (the directory's moves), then every rank returns or raises together."""
-    error = None
-    if comm.group_rank(group) == 0:
-        try:
-            work()
-        except OSError as exc:  # still join the verdict, or the others would wait in vain
-            error = exc
-    raise_together(error, [group], f"checkpoint: {done}", CheckpointError(failed))
-
-
-def _gather_extras(extra, every) -> list:
-    """Every rank's ``extra`` (None where none was given), on every rank: each rank sends its
-    own, or why it cannot be saved and read back, so all of them raise together."""
-    try:
-        checkpoint_files.check_loadable(extra, "save_checkpoint(extra=...)")
-        mine = (extra, None)
-    except CheckpointError as exc:
-        mine = (None, str(exc))
-    sent = all_gather_object(mine, every, tag="checkpoint: extra")
-    if mine[1] is not None:
-        raise CheckpointError(mine[1])
-    if any(error is not None for _, error in sent):
-        raise CheckpointError("another rank's save_checkpoint(extra=...) cannot be saved (its "
-                              "error says why); nothing was written")
-    return [value for value, _ in sent]
-
-
-def _write_extras(path: str, extras: list, group) -> dict | None:
-    """Rank 0 writes extra.pt (every rank's ``extra``, by rank) BEFORE the checkpoint's marker,
-    so a complete checkpoint holds it; without any, it removes one an interrupted save left
-    here. Returns extra.pt's record for meta.pt (on rank 0)."""
-    error = record = None
-    if comm.group_rank(group) == 0:
-        file = os.path.join(path, EXTRA)
-        try:
-            if any(e is not None for e in extras):
-                size, digest = atomic_save({"ranks": extras}, file)
-                record = {"name": EXTRA, "bytes": size, "sha256": digest.hex()}
-            elif os.path.exists(file):
-                os.remove(file)
-        except Exception as exc:  # still join the verdict, or the other ranks would hang
-            error = exc
-    raise_together(error, [group], "checkpoint: extra written", CheckpointError(
-        f"rank 0 could not write {EXTRA} into {path}"))
-    return record
 
 
 def _save_shards(path: str, model, optimizer, extra_file: dict | None) -> None:
@@ -390,14 +298,14 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
     group = model.group
     if is_dcp_checkpoint(path):
         masters, buffers, optim_sd, saved_groups = read_dcp(path, model, optimizer)
-        extras = _read_extras(path, checkpoint_files.dcp_extra_record(path), model.every_group,
+        extras = directory.read_extras(path, checkpoint_files.dcp_extra_record(path), model.every_group,
                               together=True)
         _apply(model, optimizer, masters, buffers, optim_sd)
         return {"format": "dcp", "param_groups": saved_groups, **extras}
     error = extras = None
     try:
         meta = check_checkpoint(path, checksums=False)  # sha256 is checked as each file is read
-        extras = _read_extras(path, meta.get("extra_file"), model.every_group, together=False)
+        extras = directory.read_extras(path, meta.get("extra_file"), model.every_group, together=False)
         _check_same_model(path, meta, model)
         saved_groups = (_check_same_optimizer(path, meta, model, optimizer)
                         if optimizer is not None else None)
@@ -422,27 +330,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer=None) -> dict:
 
     _apply(model, optimizer, masters, meta["buffers"], optim_sd)
     return {**meta, **extras}
-
-
-def _read_extras(path: str, record: dict | None, every, together: bool) -> dict:
-    """``{"extra": this rank's (its rank in ``every``), "extras": every saving rank's}`` from
-    extra.pt, checked against meta.pt's ``record`` if given. ``together``: the ranks of
-    ``every`` raise together when one cannot read it (else the caller does that)."""
-    error, extras = None, None
-    file = os.path.join(path, EXTRA)
-    try:
-        if record is not None or (together and os.path.exists(file)):
-            extras = checkpoint_files.read_checked(file, record)["ranks"]
-    except Exception as exc:
-        if not together:
-            raise
-        error = exc
-    if together:
-        raise_together(error, [every], "checkpoint: extra read", CheckpointError(
-            f"another rank could not read {file} (its error names the problem); nothing was "
-            "loaded"))
-    rank = comm.group_rank(every)
-    return {"extra": extras[rank] if extras and rank < len(extras) else None, "extras": extras}
 
 
 def _apply(model, optimizer, masters: list, buffers: dict, optim_sd: dict | None) -> None:
