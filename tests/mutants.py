@@ -348,6 +348,13 @@ MUTANTS = {
         [("minishard/observe/flight.py", '    if "failed" in _armed:  # the failure',
           "    if False:  # the failure")],
         ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
+    "failed_rank_waits_for_gloo_at_exit": (
+        "a rank that a failed collective ended finalizes as usual: gloo's destructor waits for "
+        "its thread, stuck in that collective, and the rank it waited for (in torch's own wait: "
+        "a norm on rank 0) never learns it is gone",
+        [("minishard/observe/flight.py", '    if "failed" in _armed and error is not None:',
+          "    if False:")],
+        ["tests/test_tutorials.py::test_tutorial_at_every_world_size[15_when_it_hangs.py-2]"]),
     "signals_wait_for_the_main_thread": (
         "a signal's record is written by the main thread's handler: a rank waiting inside a "
         "collective writes nothing until the timeout",

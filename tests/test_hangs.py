@@ -114,6 +114,9 @@ def test_the_doctor_names_a_drawn_cause(tmp_path_factory, case, world):
 # Cases users met that the lesson does not show: (cause, stage, the first line's start, lines).
 MET = {
     "eval": (2, "a forward on some ranks only:", ("# CAUSE eval",)),  # nanoGPT's, at stage 2
+    # ...in nanoGPT's order: rank 0 evaluates before the first step, where every rank
+    # accumulates a micro-batch under no_sync; no line yet that both ranks share
+    "eval_first": (2, "a forward on some ranks only:", ("# CAUSE eval",)),
     "syncbn": (2, "ended normally: ", ()),  # rank 0 built one SyncBatchNorm more: #1 vs #0
     "syncbn_eval": (2, "a forward on some ranks only:", ("# CAUSE eval",)),
     "join": (3, "a forward on some ranks only:", ("# CAUSE eval",)),  # after a Join epoch

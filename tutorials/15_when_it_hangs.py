@@ -68,7 +68,9 @@ def broken_loop(cause: str, stage: int) -> None:
                 model(torch.randn(2, 8)).sum().backward()
                 opt.step(), opt.zero_grad()
     for step in range(2 if cause == "uneven" and rank == 1 else 3):
-        if step == 1 and cause in ("eval", "syncbn_eval", "join") and rank == 0:
+        evaluates = step == 1 and cause in ("eval", "syncbn_eval", "join") or \
+            step == 0 and cause == "eval_first"  # nanoGPT's order: evaluate, then train
+        if evaluates and rank == 0:
             with torch.no_grad():
                 model(torch.randn(2, 8))  # CAUSE eval
         if step == 1 and cause == "save" and rank == 0:
@@ -77,8 +79,8 @@ def broken_loop(cause: str, stage: int) -> None:
             model.module[2].requires_grad_(False)
         if step == 1 and cause == "died" and rank == 1:
             os._exit(3)
-        if cause == "micro" and rank == 1:  # one micro-batch more, accumulated: no hang
-            with model.no_sync():
+        if cause == "micro" and rank == 1 or cause == "eval_first":
+            with model.no_sync():  # one micro-batch more, accumulated (micro: on rank 1 only)
                 model(torch.randn(2, 8)).sum().backward()
         skips_sync = cause == "no_sync" and rank == 0 and step == 0
         with model.no_sync() if skips_sync else nullcontext():

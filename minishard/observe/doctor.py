@@ -35,7 +35,7 @@ __all__ = ["diagnose", "examine", "CAUSES", "main", "Unreadable"]
 CAUSES = {
     "a forward on some ranks only": (
         "some ranks issued forward collectives (the engine's gathers, SyncBatchNorm's sums) from "
-        "a line the others issued none from",
+        "a line the others issued none from, and began no backward pass since",
         "run every forward of the wrapped model on every rank (an evaluation under `if rank == "
         "0` / nanoGPT's `and master_process`: evaluate on every rank, print on one); at stages "
         "1-3 a forward gathers parameters, SyncBatchNorm's sums its statistics"),
@@ -107,6 +107,18 @@ def _forward(e: dict) -> bool:
     return e["phase"] == "forward" or ("SyncBatchNorm" in e["tag"] and "forward" in e["tag"])
 
 
+def _forward_alone(s: Scene) -> tuple[int, dict] | None:
+    """Forwards from a line of its own that no backward followed (the rank began no backward
+    pass since): an evaluation. A forward of a training step that only some ranks take from
+    that line (an extra micro-batch) is followed by its backward, and is not one."""
+    for rank, lines in sorted(s.extra.items()):
+        for rows in lines.values():
+            if rows and all(_forward(e) for e in rows) and \
+                    s.passes[rank] == rows[-1]["backwards"]:
+                return rank, rows[0]
+    return None
+
+
 def _ended_rank(s: Scene, clean: bool) -> int | None:
     """A rank whose stream ended there, having exited cleanly, or on an exception of its own
     (not a peer's connection closing, nor a timeout: those follow another rank's trouble)."""
@@ -147,7 +159,8 @@ def _no_sync(s: Scene) -> int | None:
     """Passes apart, the extra ones quiet; or here a rank that reduced nothing in this pass
     (and has left its backward); or the engine's own no_sync collective on some ranks only."""
     flagged = [r for r, e in sorted(s.sides.items()) if e and e["tag"].startswith("no_sync:")]
-    if flagged and len(flagged) < len(s.sides) and not s.extra:
+    if flagged and all(e is not None and (r in flagged or _reduced(e))  # the others reduce
+                       for r, e in s.sides.items()) and len(flagged) < len(s.sides):
         return flagged[0]
     quiet = _quiet_here(s)
     return _apart(s, extra_passes_quiet=True) if quiet is None else quiet[0]
@@ -166,7 +179,7 @@ def _frozen(s: Scene) -> int | None:
 
 
 _FITS = {  # cause -> (the rank to name, its collective to name) when the scene fits, else None
-    "a forward on some ranks only": lambda s: _extra_lines(s, _forward),
+    "a forward on some ranks only": _forward_alone,
     "a torch tool's collective on some ranks only":
         lambda s: _extra_lines(s, lambda e: e["tag"].startswith("torch ")),
     "a save or full_state_dict on some ranks only":

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from minishard.comm import FLIGHT
+from minishard.comm import FLIGHT, CollectiveError, CollectiveMismatch
 from minishard.zero import params
 
 __all__ = ["dump_flight_record", "arm", "DEFAULT_DIR", "directory", "FORMAT"]
@@ -218,8 +218,11 @@ def _leave_after_failure() -> None:
     finalizing would destroy its process group, whose gloo threads are still inside the
     collective that never completes (they let go at the group's own timeout, 30 minutes under
     torchrun), and the ranks waiting for it learn it is gone only when its connections close.
-    Exit status 1, as for any uncaught exception; the traceback is printed by now."""
+    Exit status 1, as for any uncaught exception; the traceback is printed by now. Only for
+    minishard's own errors (or one they caused): other exits keep their atexit handlers."""
     error = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    while error is not None and not isinstance(error, (CollectiveError, CollectiveMismatch)):
+        error = error.__cause__ or error.__context__  # (a test runner's failure is not one)
     if "failed" in _armed and error is not None:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(1)

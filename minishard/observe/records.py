@@ -180,11 +180,9 @@ def scene(records: dict[int, dict]) -> Scene | None:
 
 
 def _extra(records, streams, stops) -> dict[int, dict]:
-    """Lines of the user's script only some ranks issued collectives from, where the others
-    meanwhile issued theirs from lines every rank uses (a rank's extra work, not two ranks
-    taking two paths), up to where each group stopped agreeing: rank -> {line: rows}."""
+    """Lines of the user's script only some ranks issued collectives from, up to where each
+    group stopped agreeing (from where every rank's ring holds it): rank -> {line: rows}."""
     lines: dict[int, dict] = {r: {} for r in records}
-    window = []  # (group's rows by rank, the row) of every row in a lined-up window
     for group, by_rank in streams.items():
         if stops[group] is None:
             continue
@@ -193,16 +191,9 @@ def _extra(records, streams, stops) -> dict[int, dict]:
             for e in rows.values():
                 if begin <= e["nth"] and (nth is None or e["nth"] <= nth):
                     lines[rank].setdefault((e["file"], e["line"]), []).append(e)
-                    window.append((by_rank, rank, e))
     every = set.intersection(*(set(found) for found in lines.values()))
-    own = {r: set(found) - every for r, found in lines.items()}
-    paths_apart = {(rank, (e["file"], e["line"])) for by_rank, rank, e in window
-                   if (e["file"], e["line"]) in own[rank] and any(
-                       (x["file"], x["line"]) in own[r] for r, (_, rows) in by_rank.items()
-                       if r != rank and (x := rows.get(e["nth"])) is not None)}
-    return {r: {line: rows for line, rows in lines[r].items()
-                if line in own[r] and (r, line) not in paths_apart}
-            for r in records if any((r, line) not in paths_apart for line in own[r])}
+    return {r: {line: rows for line, rows in found.items() if line not in every}
+            for r, found in lines.items() if set(found) - every}
 
 
 def reduced(e: dict) -> bool:  # a gradient reduction of the engine's (not torch's, not a flag)
