@@ -460,7 +460,11 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
     assert held["DDP"] - held[0] == 4 * sizes["plain"] - stamps, held
     assert held["FSDP1 SHARD_GRAD_OP"] == held["FSDP1 FULL_SHARD"], held
     assert held["FSDP2 reshard_after_forward=False"] == held["FSDP2 fully_shard"], held
-    assert held[2] - held[3] == full_minus_shard, (held, full_minus_shard)
+    # A gather's stamp is made once and kept (STAMP_BYTES): stage 2 gathers every block in one
+    # all-gather (one stamp), stage 3 each block on its own (BLOCKS; none on one rank, where a
+    # stage-3 shard is the whole parameter and nothing is gathered).
+    stamps_2_less_3 = comm.STAMP_BYTES * (1 - (BLOCKS if world > 1 else 0))
+    assert held[2] - held[3] == full_minus_shard + stamps_2_less_3, (held, full_minus_shard)
     say(textwrap.fill(
         "Asserted on these numbers: stage 0 sends what DDP sends, but DDP holds its gradient "
         f"bucket between steps (+{4 * sizes['plain']:,} B = 4Ψ, less the {stamps:,} B of "
@@ -469,7 +473,7 @@ def compare_costs(say, world: int, ours: dict, stocks: dict) -> None:
         "FSDP2 with reshard_after_forward=False a third pass more (it reshards after the no_sync "
         "backward too, and gathers again); between steps both hold what their FULL_SHARD "
         f"holds, while minishard's stage 2 holds {full_minus_shard:,} B more than its stage 3 "
-        "(the full parameters); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
+        f"(the full parameters; {stamps_2_less_3:+,} B of kept stamps); stage 3 and both FULL_SHARDs send 5 passes (2 gathers per "
         "micro-batch, 1 reduce-scatter), and stage 3 sends exactly what FSDP2 sends (the same "
         "layout: every parameter's dim 0 padded to a multiple of N). Where the passes agree, "
         + (f"FSDP1 sends less when N does not divide the rows: {sizes['flat']:,} elements a pass "
