@@ -35,6 +35,7 @@ from torch import nn
 
 import minishard
 from minishard import ZeRO, comm
+from minishard.zero import config
 
 ATOL, RTOL = 1e-5, 1e-4          # engine vs the single-process oracle (fp32, 3 steps)
 WORLD_SIZES = (1, 2, 3, 4)       # 3 (and 4 with odd widths) exercise the padding
@@ -439,8 +440,11 @@ def zero_formula(bufs, stage: int, n: int, r: int) -> dict[str, int]:
             params += 4 * k * n if stage < 3 else 4 * k
             grads += 4 * k if rg else 0
             optim += 8 * real if rg else 0
-    # stage 0's buffers and their gradients (all-reduced: views of it) end with a stamp's room
-    stamps = 4 * comm.SUM_STAMP_NUMEL * sum(1 + rg for _, rg, _ in bufs) if stage == 0 else 0
+    # stage 0's buffers end with a stamp's room, and so does each bucket of gradients it
+    # all-reduces (buckets of config.BUCKET_BYTES, joined: one room each; these models fill one)
+    assert 4 * sum(numel(b) for _, _, b in bufs) < config.BUCKET_BYTES
+    buckets = any(rg for _, rg, _ in bufs)
+    stamps = 4 * comm.SUM_STAMP_NUMEL * (len(bufs) + buckets) if stage == 0 else 0
     return {"params": params, "grads": grads, "optimizer": optim, "stamps": stamps}
 
 
