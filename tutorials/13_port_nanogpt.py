@@ -43,8 +43,8 @@ every rank shares (here ``ALWAYS_SAVE_CHECKPOINT``; or rank 0's loss, broadcast)
 The checkpoint is nanoGPT's own file, full tensors under nanoGPT's names, so the resume is
 nanoGPT's, unchanged: ``model.load_state_dict(checkpoint['model'])`` into the plain model and
 ``optimizer.load_state_dict(checkpoint['optimizer'])`` BEFORE wrapping. The optimizer too is
-built before wrapping, as nanoGPT does: at its first step minishard points it at the DTensors
-that replaced the parameters, each state tensor keeping this rank's rows (under FSDP2 such an
+built before wrapping, as nanoGPT does: before ``ZeRO(...)`` returns, minishard points it at the
+DTensors that replaced the parameters, each state tensor keeping this rank's rows (under FSDP2 such an
 optimizer would silently train nothing: there it must move after ``fully_shard``). Each rank
 seeds itself (``1337 + rank``, as train.py): ZeRO starts every rank from rank 0's weights, as
 DDP does.

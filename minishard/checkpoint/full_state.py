@@ -261,7 +261,7 @@ def split_state(state: dict, shard: torch.Tensor) -> tuple[dict, dict]:
 
 def group_param_names(model, optimizer) -> list[list[str]]:
     """For each param group of ``optimizer``, the names of the parameters it holds (one built
-    before wrapping is adopted first, as at its first step: zero/guards.py)."""
+    before wrapping and not adopted at the wrap is adopted first: zero/guards.py)."""
     adopt_optimizer(optimizer)
     name_of = {id(param.user): name for name, param in named_params(model)}
     groups = []
