@@ -528,6 +528,12 @@ MUTANTS = {
         [("minishard/zero/unit.py", "                    whole = flat.param_in(grad, param.index)\n",
           "                    whole = flat.param_in(grad, param.index).clone()\n")],
         ["tests/test_sequences.py"]),
+    "hooks_traced_by_dynamo": (
+        "the engine's hooks traced into compiled code: dynamo refuses the collectives, or a "
+        "stage-3 unit's stand-ins are read before its gather",
+        [("minishard/zero/engine.py", "    @torch.compiler.disable  # the engine runs eagerly",
+          "    # the engine runs eagerly")],
+        ["tests/test_compile.py::test_compiled_training_equals_one_process"]),
 }
 
 

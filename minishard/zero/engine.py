@@ -81,6 +81,7 @@ def _weak_hook(engine, method, *keys):
     """A hook calling ``method(engine, *keys, *hook_args)`` that does not keep ``engine`` alive."""
     ref = weakref.ref(engine)
 
+    @torch.compiler.disable  # the engine runs eagerly between compiled code (as FSDP2's hooks)
     def hook(*args):
         alive = ref()
         return None if alive is None else method(alive, *keys, *args)
