@@ -6,7 +6,7 @@ nanoGPT (github.com/karpathy/nanoGPT, MIT licence) trains with DDP. Its model.py
 below in its own shape (smaller, the same modules, the same initialisation, the same
 ``configure_optimizers``), and its train.py's loop as ``train()``, shortened: left out are the
 GradScaler and autocast (a float64 run on the CPU has neither: ``scaler.scale(loss)`` is
-``loss``), timing and MFU, wandb, ``torch.compile``, the config system (the model is built from
+``loss``), timing and MFU, wandb, the config system (the model is built from
 module constants), devices, and the checkpoint's ``model_args`` and ``config``; names are
 shortened (``GRAD_ACCUM`` for ``gradient_accumulation_steps``, ``say`` for rank 0's ``print``).
 Every line that is kept but differs from train.py is marked: ``# PORT:`` where DDP becomes
@@ -30,6 +30,14 @@ and why:
                                                         plain optimizer's numbering
     torch.save(checkpoint, path)                        if master_process: torch.save(...), the
                                                         gathers above having run on every rank
+
+train.py compiles by default (``compile = True``: ``model = torch.compile(model)``, then the
+wrap); part 4 runs that, the same port. What is compiled is the model's math; the engine's hooks
+(the gather before each Block, the free after it, the stamps, the flight record) are marked
+``torch.compiler.disable`` (engine.py's ``_weak_hook``), so dynamo breaks the graph at each and
+they run eagerly between the compiled pieces, as FSDP2's hooks do. torchtitan's order (wrap,
+then ``block.compile()`` for each Block) and ``torch.compile`` of the wrapped model train the
+same (tests/test_compile.py).
 
 Two habits of a DDP script that break at stage 3, and what you will see. Keep ``and
 master_process`` on the evaluation, and rank 0's gathers are answered by the others' training
@@ -235,8 +243,9 @@ def get_lr(it):  # nanoGPT's warmup and cosine decay
     return MIN_LR + coeff * (LEARNING_RATE - MIN_LR)
 
 
-def train(rank, world, ddp, out_dir, resume=False, say=print):
-    """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch)."""
+def train(rank, world, ddp, out_dir, resume=False, say=print, compile=False):
+    """nanoGPT's loop. ``ddp``: run the ported version (else one process, every micro-batch);
+    ``compile``: train.py's default, the model compiled before the wrap."""
     torch.manual_seed(1337 + rank)  # each rank its own seed, as train.py
     master_process = rank == 0
     ckpt_path = os.path.join(out_dir, "ckpt.pt") if out_dir else None  # LESSON: the oracle's
@@ -252,6 +261,8 @@ def train(rank, world, ddp, out_dir, resume=False, say=print):
     if resume:
         optimizer.load_state_dict(checkpoint["optimizer"])
     checkpoint = None
+    if compile:
+        model = torch.compile(model)
     if ddp:
         model = minishard.ZeRO(model, stage=3, units={Block})  # PORT: was DDP(model, ...)
     while True:
@@ -291,9 +302,10 @@ def train(rank, world, ddp, out_dir, resume=False, say=print):
 
 
 def weights(model) -> dict:
-    """Full tensors under nanoGPT's own names, on every rank (a plain model: its state dict)."""
+    """Full tensors under nanoGPT's own names, on every rank (a plain model: its state dict;
+    a compiled one's names begin ``_orig_mod.``, which nanoGPT's resume strips too)."""
     if isinstance(model, minishard.ZeRO):
-        return model.full_state_dict()
+        return {k.removeprefix("_orig_mod."): v for k, v in model.full_state_dict().items()}
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -319,6 +331,11 @@ def main(rank: int, world: int) -> None:
         assert all(torch.equal(resumed[k], ported[k]) for k in ported)
         say("   resumed == uninterrupted, bit for bit (nanoGPT's own checkpoint file: full "
             "weights and AdamW state, loaded before wrapping)")
+        say("4. train.py's default, compile = True: torch.compile(model), then the wrap")
+        compiled = weights(train(rank, world, ddp=True, out_dir=out_dir, say=say, compile=True))
+        gap = max((compiled[k] - single[k]).abs().max().item() for k in single)
+        say(f"   largest weight difference, compiled port vs one process: {gap:.1e}")
+        assert compiled.keys() == single.keys() and gap < 1e-10, gap
         say("\nAll assertions held.")
     finally:
         dist.barrier()
