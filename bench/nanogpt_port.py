@@ -1,6 +1,6 @@
 """nanoGPT's own train.py, ported to FSDP2 and to minishard stages 1-3, each run beside DDP.
 
-    python bench/nanogpt_port.py PATH/TO/nanoGPT [--world 2] [--fused]
+    python bench/nanogpt_port.py PATH/TO/nanoGPT [--world 2] [--fused] [--compile] [--systems ...]
 
 Needs a checkout of github.com/karpathy/nanoGPT (its train.py, model.py and configurator.py;
 not copied into this repository). Writes each port into a temporary directory and prints its
@@ -22,7 +22,9 @@ evaluation every rank now runs) and, in FSDP2's, rank 0's initial weights broadc
 seeds each rank differently; DDP broadcasts rank 0's, FSDP2 shards each rank's own). FSDP2
 also needs its wrap before the optimizer (one built before it trains nothing) and the
 optimizer's state loaded through ``set_optimizer_state_dict``. ``--fused`` gives every
-system's AdamW ``fused=True`` (nanoGPT's choice on CUDA).
+system's AdamW ``fused=True`` (nanoGPT's choice on CUDA). ``--compile`` runs train.py with its
+default ``compile = True`` (``torch.compile(model)`` with inductor, then the wrap; the ports'
+lines are the same); ``--systems`` picks some of ddp, fsdp2, minishard_1, minishard_2, minishard_3.
 """
 import argparse
 import difflib
@@ -116,11 +118,11 @@ CONFIG = """eval_interval = 4; eval_iters = 2; always_save_checkpoint = True; wa
 dataset = 'tiny'; batch_size = 4; block_size = 16; n_layer = 2; n_head = 2; n_embd = 32
 dropout = 0.0; bias = True; learning_rate = 1e-2; max_iters = 8; grad_clip = 0.05
 warmup_iters = 2; lr_decay_iters = 8; min_lr = 1e-3; backend = 'gloo'; device = 'cpu'
-dtype = 'float32'; compile = False
+dtype = 'float32'
 """
 
 
-def prepare(work, nanogpt, world, fused):
+def prepare(work, nanogpt, world, fused, compiled):
     for name in ("model.py", "configurator.py"):
         shutil.copy(os.path.join(nanogpt, name), work)
     if fused:
@@ -129,7 +131,7 @@ def prepare(work, nanogpt, world, fused):
                    "use_fused = True")
         open(model, "w").write(text)
     with open(os.path.join(work, "cfg.py"), "w") as f:  # 2 micro-batches a rank an iteration
-        f.write(CONFIG + f"gradient_accumulation_steps = {2 * world}\n")
+        f.write(CONFIG + f"gradient_accumulation_steps = {2 * world}\ncompile = {compiled}\n")
     os.makedirs(os.path.join(work, "data", "tiny"))
     rng = np.random.default_rng(0)
     for split, n in (("train", 20000), ("val", 4000)):  # a noisy cycle: learnable, not trivial
@@ -161,13 +163,18 @@ def main():
     parser.add_argument("nanogpt")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--systems", default="ddp,fsdp2,minishard_1,minishard_2,minishard_3")
     args = parser.parse_args()
     base = cpu_baseline(open(os.path.join(args.nanogpt, "train.py")).read())
     ports = {"ddp": sub(base, DDP_WRAP, "if ddp:\n    model = DDP(model)\n"),
              "fsdp2": fsdp2_port(base)}
     ports.update({f"minishard stage {s}": minishard_port(base, s) for s in (1, 2, 3)})
+    systems = args.systems.split(",")
+    ports = {name: text for name, text in ports.items()
+             if name.replace(" stage ", "_") in systems or name == "ddp"}  # DDP: the baseline
     work = tempfile.mkdtemp(prefix="nanogpt_port_")
-    prepare(work, args.nanogpt, args.world, args.fused)
+    prepare(work, args.nanogpt, args.world, args.fused, args.compile)
     runs = {}
     for name, text in ports.items():
         lines = changed(base, text)
@@ -184,7 +191,8 @@ def main():
         alone = run(work, script, 0, f"--out_dir=alone_{script[:-3]}", "--max_iters=4")
         print(f"  {name}: one process, no torchrun, iterations 0-4 with a save at 4: "
               f"{'ran' if [i for i, *_ in alone] == list(range(5)) else 'FAILED'}")
-    print(f"\n{args.world} ranks, AdamW{' fused' if args.fused else ''}: largest |loss - DDP's|")
+    print(f"\n{args.world} ranks, AdamW{' fused' if args.fused else ''}"
+          f"{', compile = True' if args.compile else ''}: largest |loss - DDP's|")
     for i, kind in enumerate(("from scratch", "resumed at 4")):
         ddp = runs["ddp"][i]
         assert ddp, f"DDP's run ({kind}) printed no loss: see {work}"
