@@ -1,7 +1,7 @@
 """minishard's ZeRO stages side by side with the stock systems, in ONE run, interleaved.
 
     torchrun --standalone --nproc_per_node=2 bench/zero_vs_stock.py [--model mlp|gpt] [--steps 30]
-        [--phases] [--blocks-per-unit K] [--systems "minishard stage 3,..."]
+        [--phases] [--blocks-per-unit K] [--systems "minishard stage 3,..."] [--compile]
 
 Every system trains the same model on the same data. After a warm-up, the systems take turns one
 step at a time (so drift in the machine's speed hits all of them alike), and we report the median
@@ -48,6 +48,10 @@ ms blocked in each, and the CPU time the rank used per step (all its threads: gl
 
 minishard runs with one unit per block (as FSDP is wrapped), and stage 0 also with the whole
 model as one unit (one all-reduce per step, as DDP's large buckets nearly do).
+
+``--compile``: every system's blocks compiled in place after the wrap (``block.compile()``,
+torchtitan's recipe; inductor), FSDP1 left out (its flat parameters are not compiled so);
+"compile s" is the first step's time, the compiling, once per block class and system.
 """
 import argparse
 import copy
@@ -278,6 +282,8 @@ def main() -> None:
                              "and minishard's stages 1-3)")
     parser.add_argument("--phases", action="store_true",
                         help="also print each system's forward / backward / step times")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile every block of every system after the wrap (inductor)")
     parser.add_argument("--json", help="also write each system's median ms and ms blocked here "
                                        "(rank 0; bench/ab.py reads it)")
     args = parser.parse_args()
@@ -292,9 +298,15 @@ def main() -> None:
         keep = {"floor", *args.systems.split(",")} & set(table)  # an older tree may lack some
         keep |= {table[name][1] for name in keep if table[name][1]}  # and their stock equivalents
         table = {name: row for name, row in table.items() if name in keep}
+    if args.compile:
+        table = {name: row for name, row in table.items() if not name.startswith("FSDP1")}
     rss_before = _resident_kib()
     built = {name: factory() for name, (factory, _, _) in table.items()}
-    _, _, make_batch = build(args.model)
+    _, block, make_batch = build(args.model, args.blocks_per_unit)
+    for model, _ in built.values() if args.compile else ():
+        for sub in [m for m in model.modules() if isinstance(m, block)]:
+            sub.compile()
+    first = {}  # name -> the first step's seconds (with --compile: the compiling)
     gen = torch.Generator().manual_seed(rank)
     batches = [make_batch(gen) for _ in range(4)]
     times = {name: [] for name in table}
@@ -310,6 +322,7 @@ def main() -> None:
                 phase = step(model, opt, x)
             dt = time.perf_counter() - t0
             comm.set_debug(False)
+            first.setdefault(name, dt)
             if i >= args.warmup:
                 times[name].append(dt)
                 phases[name].append(phase)
@@ -322,16 +335,19 @@ def main() -> None:
         dist.all_reduce(grown, op=dist.ReduceOp.MAX)
         say(f"RSS {args.only}: resident growth {grown[0].item() / 1024:.1f} MiB after the steps, "
             f"peak growth {grown[1].item() / 1024:.1f} MiB (max over ranks), "
-            f"median {1000 * statistics.median(times[args.only]):.1f} ms/step")
+            f"median {1000 * statistics.median(times[args.only]):.1f} ms/step, first step "
+            f"{first[args.only]:.1f} s")
         dist.barrier()
         dist.destroy_process_group()
         return
     psi = sum(p.numel() for p in build(args.model)[0].parameters())
     say(f"model {args.model}: {psi:,} params, {world} ranks (gloo, CPU, 1 thread/rank), "
         f"Adam, {args.steps} interleaved steps after {args.warmup} warm-up, "
-        f"{args.blocks_per_unit} block(s) per unit\n")
+        f"{args.blocks_per_unit} block(s) per unit"
+        f"{', every block compiled (inductor)' if args.compile else ''}\n")
     say(f"{'system':<36}{'median ms':>10}{'vs stock':>10}{'vs floor':>10}{'MiB sent/step':>15}"
-        f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}")
+        f"{'ms blocked':>12}{'limit ms':>10}{'vs limit':>10}"
+        + (f"{'compile s':>11}" if args.compile else ""))
     med = {name: statistics.median(ts) * 1000 for name, ts in times.items()}
     blocked = ("blocked forward", "blocked backward", "blocked step")  # minishard only
     waited = {name: statistics.median(sum(p[k] for k in blocked) for p in rows) * 1000
@@ -343,13 +359,13 @@ def main() -> None:
     limits["floor"] = med["floor"]
     # medians agree across ranks only roughly; report rank 0's, the slowest-rank max is similar
     for name, (_, stock, formula) in table.items():
-        ratio = f"{med[name] / med[stock]:.2f}x" if stock else ""
+        ratio = f"{med[name] / med[stock]:.2f}x" if stock in med else ""
         mib = (sent[name] if formula is None else formula) / 2**20
         wait = f"{waited[name]:.1f}" if formula is None else "-"
         limit = limits.get(name, limits.get(_MATCHING_DESIGN.get(name, ""), None))
         bound = f"{limit:>10.1f}{med[name] / limit:>9.2f}x" if limit else f"{'':>20}"
         say(f"{name:<36}{med[name]:>10.1f}{ratio:>10}{med[name] / med['floor']:>9.2f}x{mib:>15.2f}"
-            f"{wait:>12}{bound}")
+            f"{wait:>12}{bound}" + (f"{first[name]:>11.1f}" if args.compile else ""))
     if args.phases:
         keys = ["forward", "backward", "step", "blocked forward", "blocked backward",
                 "blocked step", "cpu"]
