@@ -58,6 +58,26 @@ def deepcopy_then_the_advice(stage):
     return message, same
 
 
+def forward_inside_gathered(stage):
+    """A forward inside ``gathered()`` is refused (at stage 3 it freed the block's parameters
+    and the exit then read them: a storage error); afterwards the model trains as one process:
+    SGD on out.sum() moves the bias by lr times the global batch size."""
+    torch.manual_seed(0)
+    model = minishard.ZeRO(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), stage=stage,
+                           units={nn.Linear})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with model.gathered():
+            model(torch.randn(2, 3))
+        message = None
+    except RuntimeError as exc:
+        message = str(exc)
+    before = model.full_state_dict()["1.bias"]
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    return message, (before - model.full_state_dict()["1.bias"] - 0.1 * 2).abs().max().item()
+
+
 def optimizer_before_wrapping():
     """Built before wrapping over parameters the engine cannot keep: meta tensors (deferred
     init) are replaced by real ones, which it steps (plain SGD: w - lr * the mean gradient of
@@ -227,6 +247,13 @@ def test_deepcopy_is_refused_with_the_way_to_copy(pools, stage):
     for message, same in pools(2).run(deepcopy_then_the_advice, stage):
         assert message and "copy.deepcopy of a minishard.ZeRO model" in message
         assert "model.full_state_dict()" in message and same
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_forward_inside_gathered_is_refused(pools, stage):
+    for message, off in pools(2).run(forward_inside_gathered, stage):
+        assert message and "inside `with model.gathered():` is not supported" in message
+        assert off < 1e-6, off
 
 
 def test_optimizer_over_replaced_parameters_steps_their_successors(pools):

@@ -98,7 +98,10 @@ def gathered(units, writeback: bool, on_gather, put_back):
     shown as an ``nn.Parameter`` (``named_parameters()`` gives the full tensors, with the user
     parameter's ``requires_grad``). The block runs under ``torch.no_grad()``, as edits to
     weights do. On exit, edits written back (only a master that changed), and ``put_back(unit)``
-    for each unit."""
+    for each unit. A forward inside the block is refused (as FSDP1's ``summon_full_params``
+    refuses one): the units' hooks would gather and free again under the block's parameters."""
+    refusals = [unit.module.register_forward_pre_hook(_no_forward_inside, prepend=True)
+                for unit in units]
     masters: dict[int, list[torch.Tensor]] = {}
     for unit in units:
         for flat in unit.flats:
@@ -114,6 +117,8 @@ def gathered(units, writeback: bool, on_gather, put_back):
         with torch.no_grad():
             yield
     finally:
+        for handle in refusals:
+            handle.remove()
         for unit in units:
             for flat in unit.flats:
                 if writeback and id(flat) in masters:
@@ -121,6 +126,14 @@ def gathered(units, writeback: bool, on_gather, put_back):
                 elif writeback:
                     _write_back(flat)
             put_back(unit)
+
+
+def _no_forward_inside(module, args):
+    raise RuntimeError(
+        "minishard: a forward of the wrapped model inside `with model.gathered():` is not "
+        "supported (its units would gather and free their parameters again under the block's). "
+        "Run the forward outside the block; inside it, read or edit the parameters "
+        "(FSDP1's summon_full_params refuses a forward too).")
 
 
 def load_rows(flat, values: list[torch.Tensor], only_if_changed: bool = False) -> None:
