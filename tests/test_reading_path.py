@@ -7,7 +7,7 @@ recorded with ``sys.setprofile``, and its distinct functions, the files they liv
 lines (each function's whole definition) are counted. Comprehensions and lambdas belong to the
 function that holds them and are not counted again.
 
-The budget is a ratchet: today's path (measured so: 52 functions in 7 files, 618 lines, of which
+The budget is a ratchet: today's path (measured so: 52 functions in 7 files, 619 lines, of which
 the flight record and the stamps' check, always on, are 3 functions and 25 lines of checks.py;
 57 in 8 and 676 before each unit's state had one field and comm's checks a file of their own,
 80 in 12 and 728 before the engine moved into zero/), which must never grow unseen: lower
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minishard"
-BUDGET = dict(functions=52, files=7, lines=618)
+BUDGET = dict(functions=52, files=7, lines=619)
 
 
 class Block(nn.Module):
