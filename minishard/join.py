@@ -239,9 +239,7 @@ class ZeROJoinHook(JoinHook):
         if not self.joined:  # its own last gradients were stepped: a new backward starts clean
             self.joined, broken = True, state.broken()  # (or it left its loop owing a step)
             state.reset()
-            self._zero_grad()
-            for flat in (f for unit in engine.units for f in unit.flats):
-                flat.full.grad = None  # what no_sync accumulated for a step it never finished
+            self._zero_grad()  # drops what no_sync accumulated for a step it never finished
         plan = Plan.exchange([False, False, broken, state.inputs is None, True], group)
         if plan.needs_inputs:
             state.inputs = _from_active_ranks(None, group, "the batch's shape")

@@ -417,8 +417,8 @@ MUTANTS = {
     "joined_rank_keeps_its_no_sync_gradient": (
         "a rank that joins after an unpaired no_sync micro-batch sends that gradient with the "
         "next reduction instead of zeros",
-        [("minishard/join.py", "                flat.full.grad = None  # what no_sync",
-          "                pass  # what no_sync")],
+        [("minishard/join.py", "            self._zero_grad()  # drops what no_sync",
+          "            pass  # drops what no_sync")],
         ["tests/test_join.py::"
          "test_a_rank_joining_mid_accumulation_contributes_zeros_as_under_ddp"]),
     "second_gradient_part_dropped": (
