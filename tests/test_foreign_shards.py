@@ -133,3 +133,31 @@ def test_a_replica_loads_the_file_of_the_rank_whose_rows_it_holds(pools, tmp_pat
     for kind, error in pools(4).run(save_then_load, 2, str(tmp_path), _first_replica, "both",
                                     (2, 2)):
         assert kind == "loaded" and error < 1e-6, (kind, error)
+
+
+def alike_on_rank0_then_load_rank0s(stage, folder):
+    """Rank 0's rows of every parameter all zeros, the others' not (torch.chunk's rows, as a
+    DTensor's Shard(0)): bytes cannot tell whose zeros they are, only the shard's mark can.
+    Each rank saves ``model.module.state_dict()``; a fresh model loads rank 0's file."""
+    r, n = dist.get_rank(), dist.get_world_size()
+    model = minishard.ZeRO(net(), stage=stage)
+    full = model.full_state_dict()
+    for value in full.values():
+        value[:-(-value.shape[0] // n)] = 0
+    model.load_full_state_dict(full)
+    torch.save(model.module.state_dict(), os.path.join(folder, f"rank{r}.pt"))
+    dist.barrier()
+    twin = minishard.ZeRO(net(), stage=stage)
+    try:
+        twin.module.load_state_dict(torch.load(os.path.join(folder, "rank0.pt"),
+                                               weights_only=False))
+    except RuntimeError as exc:
+        return str(exc)
+    return "loaded"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_rows_whose_bytes_cannot_tell_are_refused_by_their_mark(pools, tmp_path, stage):
+    said = pools(2).run(alike_on_rank0_then_load_rank0s, stage, str(tmp_path))
+    assert "loaded" not in said, said
+    assert any("rows 0:" in s and all(way in s for way in WHAT_TO_DO) for s in said), said
