@@ -70,7 +70,9 @@ CAUSES = {
         "a rank's stream ended because it exited cleanly, in step with the others (the same "
         "backward pass, or the others just past it) while they went on",
         "give every rank the same number of batches (DistributedSampler(drop_last=True)) or wrap "
-        "the loop in torch's Join([model])"),
+        "the loop in torch's Join([model]); if the extra backward on the ranks that went on was "
+        "a micro-batch meant to accumulate, run it under model.no_sync() (the records cannot "
+        "tell the two apart)"),
     "a rank stopped on an error": (
         "a rank's stream ended because an exception of its own ended it (its record says "
         "which; not a peer's closed connection, nor a timeout)",
