@@ -231,12 +231,17 @@ def adopt_optimizer(optimizer) -> None:
 
 def adopt_live_optimizers() -> None:
     """Guard 3 at the wrap: each live optimizer holding a parameter the engine replaced is
-    adopted now. Found by one scan of the objects Python's collector tracks (optimizers are among
-    them): ``gc.get_referrers`` would find the ``params`` lists, but climbing from a list to its
-    optimizer takes three more whole-heap scans, and a user's own list of parameters must not
-    be edited. Optimizers built after wrapping hold no replaced parameter: untouched."""
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.optim.Optimizer) and any(
+    adopted now. Found by one scan of the heap for what refers to an optimizer class (an instance
+    refers to its class): ``gc.get_objects()`` would list every object (MiBs of pointers, resident
+    while wrapping), and climbing from a ``params`` list to its optimizer takes more scans.
+    Optimizers built after wrapping hold no replaced parameter: untouched."""
+    classes, todo = set(), [torch.optim.Optimizer]
+    while todo:
+        cls = todo.pop()
+        classes.add(cls)
+        todo += [c for c in cls.__subclasses__() if c not in classes]
+    for obj in gc.get_referrers(*classes):
+        if isinstance(obj, torch.optim.Optimizer) and any(
                 hasattr(p, "_minishard_successor") for g in obj.param_groups for p in g["params"]):
             adopt(obj)
 
