@@ -53,8 +53,11 @@ def one_process(world: int, foreach: bool) -> dict:
 
 
 def compiled(order: str, stage: int, backend: str, model=None):
-    """The wrapped model, compiled in ``order``; ``model()`` the compiled callable."""
+    """The wrapped model, compiled in ``order`` (None: eager); ``model()`` the callable."""
     module = build() if model is None else model
+    if order is None:
+        wrapped = minishard.ZeRO(module, stage=stage, units={Block})
+        return wrapped, wrapped
     if order == "compile_then_wrap":
         wrapped = minishard.ZeRO(torch.compile(module, backend=backend), stage=stage,
                                  units={Block})
@@ -92,17 +95,7 @@ def train_compiled(order: str, stage: int, backend: str, foreach: bool):
 
 def train_eager(stage: int):
     """The collectives of an eager step, as ``train_compiled`` lists them."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = minishard.ZeRO(build(), stage=stage, units={Block})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(STEPS):
-        with minishard.ledger() as led:
-            for micro in range(2):
-                rows = batch(step, micro, world)[rank * ROWS:(rank + 1) * ROWS]
-                with model.no_sync() if micro == 0 else torch.enable_grad():
-                    (model(rows).square().mean() / 2).backward()
-            opt.step(), opt.zero_grad()
-    return issued(led)
+    return train_compiled(None, stage, None, foreach=False)[2]
 
 
 def issued(led) -> list[tuple[str, str]]:
